@@ -1,0 +1,413 @@
+"""In-process execution engine: token-exact segments, per-segment KV, RoPE re-alignment, decode.
+
+The engine runs the model's own modules layer by layer (norms, projections, rotary, grouped-query
+attention, MLP) over a preallocated per-request cache whose row index equals the absolute position.
+That one loop serves dense prefill, partial forwards of chosen tokens through chosen layers, and
+decode, so every method is executed and measured by the same code. Methods decide how each shared
+(PH) segment is materialized through :class:`SegmentContext`; the engine never knows which method runs.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .kvmath import rotate_half, shift_keys
+from .modeling import check_supported
+
+
+@dataclass
+class Segment:
+    """One token-exact piece of a prompt: agent-specific (PF) or shared (PH, with a slot id)."""
+
+    kind: str
+    ids: list[int]
+    slot: str | None = None
+    source: str | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("PF", "PH"):
+            raise ValueError(f"segment kind must be PF or PH, not {self.kind!r}")
+        if self.kind == "PH" and not self.slot:
+            raise ValueError("a PH segment needs a slot id")
+
+
+@dataclass
+class Request:
+    agent: str
+    segments: list[Segment]
+    max_new_tokens: int = 32
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return [t for s in self.segments for t in s.ids]
+
+
+@dataclass
+class SegmentKV:
+    """Per-layer K/V of one segment, ``[layers, kv_heads, tokens, head_dim]``, at positions start.."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+    ids: tuple[int, ...]
+    slot: str | None = None
+    agent: str | None = None
+    status: str = "exact"
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def length(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return n + sum(h.numel() * h.element_size() for h in self.hidden.values())
+
+    def aligned(self, start: int, inv_freq: torch.Tensor) -> "SegmentKV":
+        """The same cache with keys rotated so the segment begins at ``start``."""
+        return SegmentKV(
+            k=shift_keys(self.k, start - self.start, inv_freq),
+            v=self.v,
+            start=start,
+            ids=self.ids,
+            slot=self.slot,
+            agent=self.agent,
+            status=self.status,
+            hidden=self.hidden,
+        )
+
+
+class KVCache:
+    """Preallocated per-request cache; row index == absolute position."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        shape = (layers, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def nbytes_used(self) -> int:
+        per_row = self.k[:, :, :1].numel() * self.k.element_size() * 2
+        return per_row * self.length
+
+    def write(self, kv: SegmentKV) -> None:
+        s, e = kv.start, kv.start + kv.length
+        self.k[:, :, s:e] = kv.k.to(self.k.dtype)
+        self.v[:, :, s:e] = kv.v.to(self.v.dtype)
+        self.length = max(self.length, e)
+
+    def segment(self, start: int, end: int, **meta) -> SegmentKV:
+        return SegmentKV(k=self.k[:, :, start:end].clone(), v=self.v[:, :, start:end].clone(), start=start, **meta)
+
+
+@dataclass
+class RequestResult:
+    agent: str
+    output_ids: list[int]
+    ttft_s: float
+    e2e_s: float
+    prompt_tokens: int
+    prefilled_tokens: int
+    reused_tokens: int
+    reference_tokens: int
+    recomputed_token_layers: int
+    shared_token_layers: int
+    segments: list[dict]
+    materialized: dict[str, SegmentKV]
+    output_kv: SegmentKV | None
+    kv_bytes: int
+    peak_rss_bytes: int
+    device_peak_bytes: int | None
+    first_logits: torch.Tensor | None = None
+    fidelity: dict | None = None
+
+
+class SegmentContext:
+    """What a method sees and may ask of the engine while materializing one PH segment."""
+
+    def __init__(self, engine: "Engine", cache: KVCache, request: Request, segment: Segment,
+                 start: int, source: SegmentKV | None):
+        self.engine = engine
+        self.cache = cache
+        self.request = request
+        self.segment = segment
+        self.start = start
+        self.source = source
+        self.prefilled = 0
+        self.reference_tokens = 0
+        self.recomputed_token_layers = 0
+        self.deferred: list[Callable[[], None]] = []
+
+    @property
+    def agent(self) -> str:
+        return self.request.agent
+
+    @property
+    def slot(self) -> str:
+        return self.segment.slot  # type: ignore[return-value]
+
+    @property
+    def length(self) -> int:
+        return len(self.segment.ids)
+
+    def dense(self, keep_hidden: Iterable[int] = ()) -> SegmentKV:
+        """Exact prefill of the segment over the cache built so far."""
+        kv, _ = self.engine.prefill(self.cache, self.segment.ids, self.start, keep_hidden=keep_hidden,
+                                    slot=self.slot, agent=self.agent)
+        self.prefilled += self.length
+        return kv
+
+    def aligned_source(self) -> SegmentKV:
+        """The source segment's cache, keys rotated to this segment's positions."""
+        if self.source is None:
+            raise RuntimeError("no source segment for this slot")
+        return self.source.aligned(self.start, self.engine.inv_freq)
+
+    def reference(self, keep_hidden: Iterable[int] = ()) -> SegmentKV:
+        """Context-free reference: the segment prefilled alone at positions 0.. (counted in TTFT)."""
+        kv = self.engine.prefill_alone(self.segment.ids, keep_hidden=keep_hidden, slot=self.slot)
+        self.reference_tokens += self.length
+        return kv
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` after the request's first token (outside TTFT, inside E2E and peak memory)."""
+        self.deferred.append(fn)
+
+
+class Engine:
+    """Runs requests on one model, one at a time, with exact per-segment bookkeeping."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None):
+        check_supported(model.config)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config
+        base = model.model
+        self.layers = base.layers
+        self.embed = base.embed_tokens
+        self.norm = base.norm
+        self.rotary = base.rotary_emb
+        self.lm_head = model.lm_head
+        self.inv_freq = self.rotary.inv_freq
+        if abs(float(getattr(self.rotary, "attention_scaling", 1.0)) - 1.0) > 1e-12:
+            raise ValueError("rotary attention_scaling != 1 is not supported")
+        attn0 = self.layers[0].self_attn
+        self.head_dim = attn0.head_dim
+        self.n_layers = len(self.layers)
+        self.n_kv = self.config.num_key_value_heads
+        self.param = next(model.parameters())
+        self.device = self.param.device
+        self.dtype = self.param.dtype
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = eos if eos is not None else self.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+
+    # ---- timing and memory -------------------------------------------------------------------
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def device_peak(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return None
+
+    @staticmethod
+    def peak_rss() -> int:
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    # ---- model execution ---------------------------------------------------------------------
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.n_layers, self.n_kv, self.head_dim, capacity, self.dtype, self.device)
+
+    @torch.no_grad()
+    def run_layers(self, cache: KVCache, h: torch.Tensor, positions: torch.Tensor,
+                   layers: Sequence[int] | range | None = None,
+                   keep_hidden: Iterable[int] = (), attn_probe: Callable | None = None
+                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Push hidden states ``h`` ([1, T, hidden]) at ``positions`` through ``layers``.
+
+        Each layer writes the tokens' K/V into the cache rows ``positions`` and lets their queries
+        attend causally (key position <= query position) over every cache row up to the last one.
+        ``keep_hidden`` returns the residual stream entering the named layers.
+        """
+        layers = range(self.n_layers) if layers is None else layers
+        keep = set(keep_hidden)
+        kept: dict[int, torch.Tensor] = {}
+        positions = positions.to(self.device)
+        T = positions.numel()
+        p0, p1 = int(positions[0]), int(positions[-1])
+        contiguous = p1 - p0 + 1 == T and bool((positions.diff() == 1).all()) if T > 1 else True
+        kmax = int(positions.max()) + 1
+        cos, sin = self.rotary(h, positions[None])
+        cos, sin = cos[:, None], sin[:, None]
+        mask = None
+        if T > 1 or kmax > p1 + 1:
+            key_pos = torch.arange(kmax, device=self.device)
+            mask = key_pos[None, :] <= positions[:, None]
+        for li in layers:
+            layer = self.layers[li]
+            if li in keep:
+                kept[li] = h[0].clone()
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(1, T, -1, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(1, T, -1, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(1, T, -1, self.head_dim).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            if contiguous:
+                cache.k[li, :, p0:p1 + 1] = k[0]
+                cache.v[li, :, p0:p1 + 1] = v[0]
+            else:
+                cache.k[li][:, positions] = k[0]
+                cache.v[li][:, positions] = v[0]
+            K = cache.k[li, :, :kmax][None]
+            V = cache.v[li, :, :kmax][None]
+            if attn_probe is not None:
+                attn_probe(li, q, K, mask, attn.scaling)
+            out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling,
+                                                 enable_gqa=True)
+            out = attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
+            h = h + out
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cache.length = max(cache.length, kmax)
+        return h, kept
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    def embed_ids(self, ids: Sequence[int]) -> torch.Tensor:
+        return self.embed(torch.as_tensor(list(ids), device=self.device)[None])
+
+    @torch.no_grad()
+    def prefill(self, cache: KVCache, ids: Sequence[int], start: int, keep_hidden: Iterable[int] = (),
+                slot: str | None = None, agent: str | None = None) -> tuple[SegmentKV, torch.Tensor]:
+        """Dense prefill of ``ids`` at ``start`` over the cache; returns the segment KV and last h."""
+        positions = torch.arange(start, start + len(ids), device=self.device)
+        h, kept = self.run_layers(cache, self.embed_ids(ids), positions, keep_hidden=keep_hidden)
+        kv = cache.segment(start, start + len(ids), ids=tuple(ids), slot=slot, agent=agent)
+        kv.hidden = kept
+        return kv, h
+
+    def prefill_alone(self, ids: Sequence[int], keep_hidden: Iterable[int] = (),
+                      slot: str | None = None) -> SegmentKV:
+        """The segment prefilled with no prefix (positions 0..S-1)."""
+        cache = self.new_cache(len(ids))
+        kv, _ = self.prefill(cache, ids, 0, keep_hidden=keep_hidden, slot=slot)
+        return kv
+
+    # ---- requests ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, request: Request, method, sources: dict[str, SegmentKV] | None = None,
+            fidelity: bool = False, keep_output_kv: bool = True) -> RequestResult:
+        """Prefill segment by segment (PH through ``method``), then decode greedily."""
+        sources = sources or {}
+        segs = request.segments
+        if not segs or segs[-1].kind != "PF" or not segs[-1].ids:
+            raise ValueError("a request must end with a non-empty PF segment")
+        prompt_len = sum(len(s.ids) for s in segs)
+        cache = self.new_cache(prompt_len + request.max_new_tokens + 1)
+        t0 = self.now()
+        excluded = 0.0
+        pos = 0
+        prefilled = reused = reference = recomputed = shared_tl = 0
+        seg_records: list[dict] = []
+        materialized: dict[str, SegmentKV] = {}
+        deferred: list[Callable[[], None]] = []
+        fid_segments: list[dict] = []
+        h = None
+        for seg in segs:
+            S = len(seg.ids)
+            if seg.kind == "PF":
+                if S:
+                    _, h = self.prefill(cache, seg.ids, pos, agent=request.agent)
+                    prefilled += S
+                seg_records.append({"kind": "PF", "name": seg.name, "tokens": S, "status": "exact"})
+            else:
+                exact = None
+                if fidelity:
+                    tf = self.now()
+                    exact, _ = self.prefill(cache, seg.ids, pos, agent=request.agent)
+                    cache.k[:, :, pos:pos + S] = 0
+                    cache.v[:, :, pos:pos + S] = 0
+                    excluded += self.now() - tf
+                ctx = SegmentContext(self, cache, request, seg, pos, sources.get(seg.slot))
+                kv = method.materialize(ctx)
+                if kv.length != S or kv.start != pos:
+                    raise RuntimeError(f"method returned a segment of {kv.length} rows at {kv.start}, "
+                                       f"expected {S} at {pos}")
+                kv.slot, kv.agent = seg.slot, request.agent
+                cache.write(kv)
+                materialized[seg.slot] = kv
+                deferred.extend(ctx.deferred)
+                prefilled += ctx.prefilled
+                reference += ctx.reference_tokens
+                recomputed += ctx.recomputed_token_layers
+                shared_tl += S * self.n_layers
+                if kv.status != "exact":
+                    reused += S - ctx.prefilled
+                rec = {"kind": "PH", "slot": seg.slot, "tokens": S, "status": kv.status,
+                       "source_agent": ctx.source.agent if ctx.source is not None else None}
+                if exact is not None:
+                    from .fidelity import segment_errors
+                    rec.update(segment_errors(kv, exact))
+                    fid_segments.append(rec)
+                seg_records.append(rec)
+            pos += S
+        logits = self.logits(h[:, -1:])[0, -1]
+        token = int(logits.argmax())
+        ttft = self.now() - t0 - excluded
+        for fn in deferred:
+            fn()
+        out: list[int] = []
+        fed = prompt_len
+        while True:
+            if token in self.eos_ids:
+                break
+            out.append(token)
+            if len(out) >= request.max_new_tokens:
+                break
+            h, _ = self.run_layers(cache, self.embed_ids([token]), torch.tensor([fed], device=self.device))
+            fed += 1
+            token = int(self.logits(h)[0, -1].argmax())
+        if keep_output_kv and out and fed < prompt_len + len(out):
+            self.run_layers(cache, self.embed_ids([out[-1]]), torch.tensor([fed], device=self.device))
+            fed += 1
+        e2e = self.now() - t0 - excluded
+        output_kv = None
+        if keep_output_kv and out:
+            output_kv = cache.segment(prompt_len, prompt_len + len(out), ids=tuple(out),
+                                      agent=request.agent, status="exact")
+        fid = None
+        if fidelity:
+            from .fidelity import request_fidelity
+            fid = request_fidelity(self, request.prompt_ids, logits, fid_segments)
+        return RequestResult(
+            agent=request.agent, output_ids=out, ttft_s=ttft, e2e_s=e2e, prompt_tokens=prompt_len,
+            prefilled_tokens=prefilled, reused_tokens=reused, reference_tokens=reference,
+            recomputed_token_layers=recomputed, shared_token_layers=shared_tl, segments=seg_records,
+            materialized=materialized, output_kv=output_kv, kv_bytes=cache.nbytes_used,
+            peak_rss_bytes=self.peak_rss(), device_peak_bytes=self.device_peak(),
+            first_logits=logits.detach().cpu() if fidelity else None, fidelity=fid,
+        )
+
+    @torch.no_grad()
+    def dense_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """All-position logits of one dense forward of ``ids`` (the reference for tests/fidelity)."""
+        cache = self.new_cache(len(ids))
+        h, _ = self.run_layers(cache, self.embed_ids(ids), torch.arange(len(ids), device=self.device))
+        return self.logits(h)[0]

@@ -1,0 +1,5 @@
+"""User-facing errors: the CLI turns these into one line on stderr and exit code 2."""
+
+
+class BenchError(Exception):
+    """Bad input or missing resource, reported to the user without a traceback."""

@@ -1,0 +1,23 @@
+"""FullShared: reuse the RoPE-aligned source cache of every PH segment, no correction (rho = 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine import SegmentContext, SegmentKV
+from .base import Method, register
+
+
+@register
+@dataclass
+class FullShared(Method):
+    name = "fullshared"
+    summary = "reuse the aligned source cache as is (fastest, least accurate)"
+
+    def materialize(self, ctx: SegmentContext) -> SegmentKV:
+        if ctx.source is None:
+            return ctx.dense()
+        kv = ctx.aligned_source()
+        kv.status = "reused"
+        kv.hidden = {}
+        return kv

@@ -1,0 +1,57 @@
+"""Tiny random-weight models built by the tests themselves (the exact references)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+VOCAB = 96
+
+
+def tiny_config(family: str = "llama", rope: dict | None = None, layers: int = 3, vocab: int = VOCAB):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if family == "llama":
+        cfg = LlamaConfig(**common, rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
+    elif family == "qwen2":
+        cfg = Qwen2Config(**common, use_sliding_window=False)
+    elif family == "mistral":
+        cfg = MistralConfig(**common, sliding_window=None)
+    else:
+        raise ValueError(family)
+    return cfg
+
+
+def tiny_model(family: str = "llama", rope: dict | None = None, seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, rope, **kw), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.ndim > 1 else None
+    return model.eval()
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def engine(llama):
+    from kvcmas_bench.engine import Engine
+
+    return Engine(llama)
+
+
+def rand_ids(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
