@@ -120,7 +120,7 @@ class RequestResult:
     reused_tokens: int
     reference_tokens: int
     recomputed_token_layers: int
-    shared_token_layers: int
+    eligible_tokens: int
     segments: list[dict]
     materialized: dict[str, SegmentKV]
     output_kv: SegmentKV | None
@@ -324,7 +324,7 @@ class Engine:
         t0 = self.now()
         excluded = 0.0
         pos = 0
-        prefilled = reused = reference = recomputed = shared_tl = 0
+        prefilled = reused = reference = recomputed = eligible = 0
         seg_records: list[dict] = []
         materialized: dict[str, SegmentKV] = {}
         deferred: list[Callable[[], None]] = []
@@ -357,7 +357,8 @@ class Engine:
                 prefilled += ctx.prefilled
                 reference += ctx.reference_tokens
                 recomputed += ctx.recomputed_token_layers
-                shared_tl += S * self.n_layers
+                if ctx.source is not None or kv.status != "exact":
+                    eligible += S
                 if kv.status != "exact":
                     reused += S - ctx.prefilled
                 rec = {"kind": "PH", "slot": seg.slot, "tokens": S, "status": kv.status,
@@ -399,7 +400,7 @@ class Engine:
         return RequestResult(
             agent=request.agent, output_ids=out, ttft_s=ttft, e2e_s=e2e, prompt_tokens=prompt_len,
             prefilled_tokens=prefilled, reused_tokens=reused, reference_tokens=reference,
-            recomputed_token_layers=recomputed, shared_token_layers=shared_tl, segments=seg_records,
+            recomputed_token_layers=recomputed, eligible_tokens=eligible, segments=seg_records,
             materialized=materialized, output_kv=output_kv, kv_bytes=cache.nbytes_used,
             peak_rss_bytes=self.peak_rss(), device_peak_bytes=self.device_peak(),
             first_logits=logits.detach().cpu() if fidelity else None, fidelity=fid,

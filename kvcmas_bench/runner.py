@@ -1,0 +1,185 @@
+"""The ``run`` job: samples -> workflow -> records -> summary, resumable."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import subprocess
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from .engine import Engine
+from .errors import BenchError
+from .methods import get_method
+from .results.records import RunDir, write_json
+from .results.summary import summarize
+from .workflow import ChainWorkflow
+from .workloads import get_workload
+
+
+@dataclass
+class RunOptions:
+    method: str = "nonshared"
+    workload: str = "mmlu"
+    model: str | None = None
+    limit: int | None = None
+    output_path: str = "runs/latest"
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "float32"
+    subjects: list[str] | None = None
+    data_path: str | None = None
+    max_new_tokens: int | None = None
+    final_max_new_tokens: int | None = None
+    fidelity: bool = False
+    method_args: dict = field(default_factory=dict)
+
+
+def _versions() -> dict:
+    out = {}
+    for pkg in ("kvcmas-bench", "torch", "transformers", "datasets", "vllm"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _git_revision() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def hardware(device: torch.device) -> dict:
+    hw = {"platform": platform.platform(), "python": platform.python_version(),
+          "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        hw["gpu"] = torch.cuda.get_device_name(device)
+        hw["gpu_total_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    return hw
+
+
+def select_samples(samples: list, limit: int | None, seed: int) -> list:
+    """A seeded shuffle, then the first ``limit``: the same seed gives the same subset."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    if limit is not None:
+        order = order[:limit]
+    return [samples[i] for i in order]
+
+
+def validate(opts: RunOptions) -> None:
+    if opts.limit is not None and opts.limit < 1:
+        raise BenchError(f"--limit must be a positive integer, got {opts.limit}")
+    for flag, v in (("--max-new-tokens", opts.max_new_tokens), ("--final-max-new-tokens", opts.final_max_new_tokens)):
+        if v is not None and v < 1:
+            raise BenchError(f"{flag} must be a positive integer, got {v}")
+
+
+def run(opts: RunOptions, progress=None) -> dict:
+    """Run (or resume) one benchmark and return its summary."""
+    from .modeling import load_model, resolve_device, resolve_dtype
+
+    validate(opts)
+    workload = get_workload(opts.workload, data_path=opts.data_path, subjects=opts.subjects)
+    method_args = dict(opts.method_args)
+    method = get_method(opts.method, **_method_kwargs(opts.method, method_args, workload))
+    device = resolve_device(opts.device)
+    resolve_dtype(opts.dtype)
+    samples = select_samples(workload.load(), opts.limit, opts.seed)
+    if not samples:
+        raise BenchError("no samples selected (check --subjects / --data-path)")
+    lm = load_model(opts.model, opts.dtype, str(device))
+    engine = Engine(lm.model, lm.tokenizer)
+    flow = ChainWorkflow(engine, method, workload, opts.max_new_tokens, opts.final_max_new_tokens,
+                         fidelity=opts.fidelity)
+    config = {
+        "method": opts.method, "method_config": method.config(), "workload": opts.workload,
+        "model": lm.name, "model_source": lm.source, "dtype": opts.dtype, "device": str(device),
+        "seed": opts.seed, "limit": opts.limit, "subjects": opts.subjects, "data_path": opts.data_path,
+        "max_new_tokens": flow.max_new, "final_max_new_tokens": flow.final_max_new,
+        "fidelity": opts.fidelity, "topology": "chain", "agents": [r.name for r, _ in flow.agents()],
+        "prefix_caching": False, "decoding": "greedy", "engine": "in-process (one request at a time)",
+        "versions": _versions(), "git_revision": _git_revision(), "hardware": hardware(device),
+    }
+    out = RunDir(opts.output_path, config)
+    todo = [s for s in samples if s.id not in out.done_ids]
+    if progress is not None:
+        progress.start(total=len(samples), done=len(samples) - len(todo))
+    for sample in todo:
+        sample_rec, req_recs = run_one(flow, sample, engine, method)
+        out.append(sample_rec, req_recs)
+        if progress is not None:
+            progress.advance(sample_rec)
+    wanted = {s.id for s in samples}
+    summary = summarize([s for s in out.samples if s["sample_id"] in wanted],
+                        [r for r in out.requests if r["sample_id"] in wanted],
+                        {"method": opts.method, "workload": opts.workload, "model": lm.name,
+                         "device": str(device)})
+    write_json(out.summary_path, summary)
+    return summary
+
+
+def _method_kwargs(name: str, args: dict, workload) -> dict:
+    """Workload defaults (e.g. tau) for the methods that take them, then user overrides."""
+    from .methods import METHODS
+    from dataclasses import fields
+
+    if name not in METHODS:
+        return args
+    known = {f.name for f in fields(METHODS[name])}
+    kw = {}
+    if "tau" in known:
+        kw["tau"] = workload.default_tau
+    for k, v in args.items():
+        if v is None:
+            continue
+        if k not in known:
+            raise BenchError(f"--{k.replace('_', '-')} does not apply to method {name!r}")
+        kw[k] = v
+    return kw
+
+
+def run_one(flow: ChainWorkflow, sample, engine: Engine, method) -> tuple[dict, list[dict]]:
+    """Run one sample through the workflow; return its sample record and request records."""
+    sr = flow.run_sample(sample)
+    pred, correct = flow.workload.score(sample, sr.final_text)
+    reqs = []
+    for i, step in enumerate(sr.steps):
+        r = step.result
+        state = method.state_bytes()
+        kv_state = r.kv_bytes + getattr(r, "shared_store_bytes", 0) + state
+        rec = {
+            "sample_id": sample.id, "step": i, "agent": step.role.name, "ttft_s": r.ttft_s,
+            "e2e_s": r.e2e_s, "prompt_tokens": r.prompt_tokens, "output_tokens": len(r.output_ids),
+            "prefilled_tokens": r.prefilled_tokens, "reused_tokens": r.reused_tokens,
+            "eligible_tokens": r.eligible_tokens, "reference_tokens": r.reference_tokens,
+            "recomputed_token_layers": r.recomputed_token_layers, "layers": engine.n_layers,
+            "kv_bytes": r.kv_bytes, "method_state_bytes": state, "kv_state_bytes": kv_state,
+            "peak_rss_bytes": r.peak_rss_bytes,
+            "peak_mem_bytes": r.device_peak_bytes if r.device_peak_bytes is not None else r.peak_rss_bytes,
+            "segments": [{k: v for k, v in s.items() if k != "kv_rel_error_per_layer"} for s in r.segments],
+            "output": step.text,
+        }
+        if r.fidelity is not None:
+            errs = [s["kv_rel_error"] for s in r.segments if "kv_rel_error" in s and s.get("source_agent")]
+            rec.update({"top1_agree": r.fidelity["top1_agree"], "first_token_kl": r.fidelity["first_token_kl"],
+                        "kv_rel_error": (sum(errs) / len(errs)) if errs else None,
+                        "kv_rel_error_per_layer": [s.get("kv_rel_error_per_layer") for s in r.segments
+                                                   if "kv_rel_error_per_layer" in s]})
+        reqs.append(rec)
+    sample_rec = {
+        "sample_id": sample.id, "gold": sample.gold, "prediction": pred, "correct": bool(correct),
+        "latency_s": sum(s.result.e2e_s for s in sr.steps),
+        "ttft_s": sum(s.result.ttft_s for s in sr.steps) / len(sr.steps),
+        "final_output": sr.final_text, "meta": sample.meta,
+    }
+    return sample_rec, reqs

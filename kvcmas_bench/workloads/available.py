@@ -1,0 +1,3 @@
+"""Importing this module registers every workload."""
+
+from . import mmlu  # noqa: F401
