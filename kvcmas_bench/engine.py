@@ -178,6 +178,34 @@ class SegmentContext:
         self.reference_tokens += self.length
         return kv
 
+    def write(self, kv: SegmentKV) -> None:
+        """Place ``kv`` (at this segment's rows) into the request cache, e.g. before a partial forward."""
+        self.cache.write(kv)
+
+    def embed(self, rel: Sequence[int] | None = None) -> torch.Tensor:
+        """Token embeddings ``[1, T, hidden]`` of the segment (or of the rows ``rel``)."""
+        ids = self.segment.ids if rel is None else [self.segment.ids[i] for i in rel]
+        return self.engine.embed_ids(ids)
+
+    def forward(self, h: torch.Tensor, rel: Sequence[int] | torch.Tensor, layers: Sequence[int] | range,
+                keep_hidden: Iterable[int] = (), attn_probe: Callable | None = None,
+                count: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Partial forward: push the hidden states of segment rows ``rel`` through ``layers``.
+
+        Their recomputed K/V overwrite those rows in each layer; their queries attend causally over
+        the whole cache (prefix + the segment as it currently stands). Counted as recomputation.
+        """
+        rel_t = torch.as_tensor(rel, device=self.engine.device, dtype=torch.long)
+        out = self.engine.run_layers(self.cache, h, rel_t + self.start, layers, keep_hidden, attn_probe)
+        if count:
+            self.recomputed_token_layers += rel_t.numel() * len(layers)
+        return out
+
+    def current(self, status: str) -> SegmentKV:
+        """The segment's rows as they stand in the request cache."""
+        return self.cache.segment(self.start, self.start + self.length, ids=tuple(self.segment.ids),
+                                  slot=self.slot, agent=self.agent, status=status)
+
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` after the request's first token (outside TTFT, inside E2E and peak memory)."""
         self.deferred.append(fn)
@@ -376,23 +404,33 @@ class Engine:
             fn()
         out: list[int] = []
         fed = prompt_len
+        keep = tuple(getattr(method, "decode_hidden_layers", ()) or ())
+        out_hidden: dict[int, list[torch.Tensor]] = {li: [] for li in keep}
+
+        def feed(tok: int) -> torch.Tensor:
+            nonlocal fed
+            h, kept = self.run_layers(cache, self.embed_ids([tok]), torch.tensor([fed], device=self.device),
+                                      keep_hidden=keep)
+            for li, t in kept.items():
+                out_hidden[li].append(t)
+            fed += 1
+            return h
+
         while True:
             if token in self.eos_ids:
                 break
             out.append(token)
             if len(out) >= request.max_new_tokens:
                 break
-            h, _ = self.run_layers(cache, self.embed_ids([token]), torch.tensor([fed], device=self.device))
-            fed += 1
-            token = int(self.logits(h)[0, -1].argmax())
+            token = int(self.logits(feed(token))[0, -1].argmax())
         if keep_output_kv and out and fed < prompt_len + len(out):
-            self.run_layers(cache, self.embed_ids([out[-1]]), torch.tensor([fed], device=self.device))
-            fed += 1
+            feed(out[-1])
         e2e = self.now() - t0 - excluded
         output_kv = None
         if keep_output_kv and out:
             output_kv = cache.segment(prompt_len, prompt_len + len(out), ids=tuple(out),
                                       agent=request.agent, status="exact")
+            output_kv.hidden = {li: torch.cat(v) for li, v in out_hidden.items() if v}
         fid = None
         if fidelity:
             from .fidelity import request_fidelity

@@ -36,6 +36,7 @@ class RunOptions:
     max_new_tokens: int | None = None
     final_max_new_tokens: int | None = None
     fidelity: bool = False
+    calib_samples: int = 4
     method_args: dict = field(default_factory=dict)
 
 
@@ -76,6 +77,14 @@ def select_samples(samples: list, limit: int | None, seed: int) -> list:
     return [samples[i] for i in order]
 
 
+def calibration_samples(samples: list, evaluated: set[str], n: int, seed: int) -> list:
+    """``n`` samples disjoint from the evaluated ones, from the far end of the seeded order."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    picked = [samples[i] for i in reversed(order) if samples[i].id not in evaluated]
+    return picked[:n]
+
+
 def validate(opts: RunOptions) -> None:
     if opts.limit is not None and opts.limit < 1:
         raise BenchError(f"--limit must be a positive integer, got {opts.limit}")
@@ -94,19 +103,32 @@ def run(opts: RunOptions, progress=None) -> dict:
     method = get_method(opts.method, **_method_kwargs(opts.method, method_args, workload))
     device = resolve_device(opts.device)
     resolve_dtype(opts.dtype)
-    samples = select_samples(workload.load(), opts.limit, opts.seed)
+    all_samples = workload.load()
+    samples = select_samples(all_samples, opts.limit, opts.seed)
     if not samples:
         raise BenchError("no samples selected (check --subjects / --data-path)")
     lm = load_model(opts.model, opts.dtype, str(device))
     engine = Engine(lm.model, lm.tokenizer)
     flow = ChainWorkflow(engine, method, workload, opts.max_new_tokens, opts.final_max_new_tokens,
                          fidelity=opts.fidelity)
+    calib_ids: list[str] = []
+    if method.needs_calibration:
+        from .calibration import collect
+
+        calib = calibration_samples(all_samples, {s.id for s in samples}, opts.calib_samples, opts.seed)
+        if not calib:
+            raise BenchError("no calibration samples left outside the evaluated ones; lower --limit")
+        calib_ids = [s.id for s in calib]
+        obs = collect(lambda m: ChainWorkflow(engine, m, workload, opts.max_new_tokens,
+                                              opts.final_max_new_tokens), calib,
+                      with_reference=method.calibration_reference)
+        method.calibrate(obs, engine.n_layers)
     config = {
         "method": opts.method, "method_config": method.config(), "workload": opts.workload,
         "model": lm.name, "model_source": lm.source, "dtype": opts.dtype, "device": str(device),
         "seed": opts.seed, "limit": opts.limit, "subjects": opts.subjects, "data_path": opts.data_path,
         "max_new_tokens": flow.max_new, "final_max_new_tokens": flow.final_max_new,
-        "fidelity": opts.fidelity, "topology": "chain", "agents": [r.name for r, _ in flow.agents()],
+        "fidelity": opts.fidelity, "topology": "chain", "calibration_samples": calib_ids, "agents": [r.name for r, _ in flow.agents()],
         "prefix_caching": False, "decoding": "greedy", "engine": "in-process (one request at a time)",
         "versions": _versions(), "git_revision": _git_revision(), "hardware": hardware(device),
     }

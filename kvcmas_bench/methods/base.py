@@ -28,10 +28,19 @@ def register(cls: type["Method"]) -> type["Method"]:
 class Method:
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    #: offline profiling needed before evaluation (see ``calibrate``)
+    needs_calibration: ClassVar[bool] = False
+    #: calibration observations should include the context-free reference cache
+    calibration_reference: ClassVar[bool] = False
+    #: residual-stream layers the engine keeps for agent outputs during decode (as sources)
+    decode_hidden_layers: ClassVar[tuple[int, ...]] = ()
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
         """Return the cache of ``ctx.segment`` at ``ctx.start``. Default: dense prefill."""
         return ctx.dense()
+
+    def calibrate(self, observations: list, n_layers: int) -> None:
+        """Build offline state from :class:`~kvcmas_bench.calibration.Observation` records."""
 
     def state_bytes(self) -> int:
         """Exact bytes of tensors the method keeps between requests."""

@@ -1,0 +1,50 @@
+"""Calibration: run held-out samples densely and record, for every shared segment that has a
+source, the aligned source cache next to the exact target cache (and optionally the context-free
+reference). Methods that profile offline (GraphFlow, DroidSpeak, RelayCaching) and auto-tau build
+their state from these observations. Calibration samples are always disjoint from evaluated ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .engine import SegmentContext, SegmentKV
+from .methods.base import Method
+
+
+@dataclass
+class Observation:
+    slot: str
+    agent: str
+    source_agent: str
+    start: int
+    source: SegmentKV
+    exact: SegmentKV
+    reference: SegmentKV | None = None
+
+
+@dataclass
+class Recorder(Method):
+    """Dense prefill everywhere (NonShared behaviour) while recording observations."""
+
+    name = "_recorder"
+    with_reference: bool = False
+    observations: list[Observation] = field(default_factory=list)
+
+    def materialize(self, ctx: SegmentContext) -> SegmentKV:
+        kv = ctx.dense()
+        if ctx.source is not None:
+            ref = ctx.engine.prefill_alone(ctx.segment.ids, slot=ctx.slot) if self.with_reference else None
+            self.observations.append(Observation(
+                slot=ctx.slot, agent=ctx.agent, source_agent=ctx.source.agent or "", start=ctx.start,
+                source=ctx.aligned_source(), exact=kv, reference=ref))
+        return kv
+
+
+def collect(flow_factory, samples, with_reference: bool = False) -> list[Observation]:
+    """Run ``samples`` through a workflow built by ``flow_factory(method)`` with a Recorder."""
+    rec = Recorder(with_reference=with_reference)
+    flow = flow_factory(rec)
+    for s in samples:
+        flow.run_sample(s)
+    return rec.observations
