@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .engine import SegmentContext, SegmentKV
 from .methods.base import Method
 
@@ -21,6 +23,7 @@ class Observation:
     source: SegmentKV
     exact: SegmentKV
     reference: SegmentKV | None = None
+    inv_freq: torch.Tensor | None = None
 
 
 @dataclass
@@ -37,7 +40,7 @@ class Recorder(Method):
             ref = ctx.engine.prefill_alone(ctx.segment.ids, slot=ctx.slot) if self.with_reference else None
             self.observations.append(Observation(
                 slot=ctx.slot, agent=ctx.agent, source_agent=ctx.source.agent or "", start=ctx.start,
-                source=ctx.aligned_source(), exact=kv, reference=ref))
+                source=ctx.aligned_source(), exact=kv, reference=ref, inv_freq=ctx.engine.inv_freq))
         return kv
 
 

@@ -96,6 +96,14 @@ def run(
     final_max_new_tokens: Optional[int] = typer.Option(None, help="Max new tokens of the final agent."),
     fidelity: bool = typer.Option(False, help="Also compute exact dense caches/logits and record relative "
                                   "KV error, first-token top-1 agreement and KL (excluded from timings)."),
+    tau: Optional[float] = typer.Option(None, help="Gate threshold of KVCMAS/KVComm (default: per workload)."),
+    rank: Optional[int] = typer.Option(None, help="KVCMAS low-rank factor rank r (default 32)."),
+    anchors: Optional[int] = typer.Option(None, help="Anchor pool size V (KVCMAS 10, KVComm 20)."),
+    rho: Optional[float] = typer.Option(None, help="Target reuse ratio of CacheBlend/DroidSpeak/RelayCaching."),
+    target_reuse: Optional[float] = typer.Option(None, help="Pick tau on calibration samples to reach this "
+                                                 "reuse ratio (KVCMAS/KVComm); the chosen tau is recorded."),
+    calib_samples: int = typer.Option(4, help="Held-out samples for calibration (GraphFlow, DroidSpeak, "
+                                      "RelayCaching, --target-reuse)."),
 ) -> None:
     """Run one method on one workload and write config/samples/requests/summary into OUTPUT_PATH."""
     from .runner import RunOptions
@@ -104,7 +112,8 @@ def run(
     opts = RunOptions(method=method, workload=workload, model=model, limit=limit, output_path=output_path,
                       seed=seed, device=device, dtype=dtype, subjects=_split(subjects), data_path=data_path,
                       max_new_tokens=max_new_tokens, final_max_new_tokens=final_max_new_tokens,
-                      fidelity=fidelity)
+                      fidelity=fidelity, calib_samples=calib_samples, target_reuse=target_reuse,
+                      method_args={"tau": tau, "rank": rank, "anchors": anchors, "rho": rho})
     progress = _Progress()
     try:
         summary = do_run(opts, progress=progress)

@@ -37,6 +37,7 @@ class RunOptions:
     final_max_new_tokens: int | None = None
     fidelity: bool = False
     calib_samples: int = 4
+    target_reuse: float | None = None
     method_args: dict = field(default_factory=dict)
 
 
@@ -86,6 +87,17 @@ def calibration_samples(samples: list, evaluated: set[str], n: int, seed: int) -
 
 
 def validate(opts: RunOptions) -> None:
+    if opts.target_reuse is not None and not 0.0 <= opts.target_reuse <= 1.0:
+        raise BenchError(f"--target-reuse must lie in [0, 1], got {opts.target_reuse}")
+    if opts.calib_samples < 1:
+        raise BenchError(f"--calib-samples must be a positive integer, got {opts.calib_samples}")
+    for k, v in opts.method_args.items():
+        if v is None:
+            continue
+        if k in ("rank", "anchors") and v < 1:
+            raise BenchError(f"--{k} must be a positive integer, got {v}")
+        if k in ("tau", "rho") and not 0.0 <= v <= 1.0:
+            raise BenchError(f"--{k} must lie in [0, 1], got {v}")
     if opts.limit is not None and opts.limit < 1:
         raise BenchError(f"--limit must be a positive integer, got {opts.limit}")
     for flag, v in (("--max-new-tokens", opts.max_new_tokens), ("--final-max-new-tokens", opts.final_max_new_tokens)):
@@ -123,12 +135,21 @@ def run(opts: RunOptions, progress=None) -> dict:
                                               opts.final_max_new_tokens), calib,
                       with_reference=method.calibration_reference)
         method.calibrate(obs, engine.n_layers)
+    chosen_tau = None
+    if opts.target_reuse is not None:
+        if not hasattr(method, "tau"):
+            raise BenchError(f"--target-reuse applies to methods with a gate threshold, not {opts.method!r}")
+        calib = calibration_samples(all_samples, {s.id for s in samples}, opts.calib_samples, opts.seed)
+        calib_ids = [s.id for s in calib]
+        method, chosen_tau = auto_tau(method, lambda m: ChainWorkflow(
+            engine, m, workload, opts.max_new_tokens, opts.final_max_new_tokens), calib, opts.target_reuse)
     config = {
         "method": opts.method, "method_config": method.config(), "workload": opts.workload,
         "model": lm.name, "model_source": lm.source, "dtype": opts.dtype, "device": str(device),
         "seed": opts.seed, "limit": opts.limit, "subjects": opts.subjects, "data_path": opts.data_path,
         "max_new_tokens": flow.max_new, "final_max_new_tokens": flow.final_max_new,
-        "fidelity": opts.fidelity, "topology": "chain", "calibration_samples": calib_ids, "agents": [r.name for r, _ in flow.agents()],
+        "fidelity": opts.fidelity, "topology": "chain", "calibration_samples": calib_ids,
+        "target_reuse": opts.target_reuse, "auto_tau": chosen_tau, "agents": [r.name for r, _ in flow.agents()],
         "prefix_caching": False, "decoding": "greedy", "engine": "in-process (one request at a time)",
         "versions": _versions(), "git_revision": _git_revision(), "hardware": hardware(device),
     }
@@ -148,6 +169,33 @@ def run(opts: RunOptions, progress=None) -> dict:
                          "device": str(device)})
     write_json(out.summary_path, summary)
     return summary
+
+
+def tau_for_reuse(entropies: list[tuple[float, int]], target: float) -> float:
+    """Smallest tau whose accepted gate decisions cover ``target`` of the gated tokens."""
+    if not entropies:
+        raise BenchError("--target-reuse: calibration produced no gate decisions (too few samples?)")
+    total = sum(n for _, n in entropies)
+    acc = 0
+    tau = -1.0
+    for h, n in sorted(entropies):
+        if acc / total >= target:
+            break
+        acc += n
+        tau = h
+    return tau
+
+
+def auto_tau(method, flow_factory, calib: list, target: float):
+    """Run calibration samples with the gate closed (dense everywhere, pools filling as in a real
+    run), record every gate's entropy, and return a fresh method whose tau reaches ``target``."""
+    cfg = {k: v for k, v in method.config().items() if k != "name"}
+    probe = type(method)(**{**cfg, "tau": -1.0})
+    flow = flow_factory(probe)
+    for s in calib:
+        flow.run_sample(s)
+    tau = tau_for_reuse(probe.entropies, target)
+    return type(method)(**{**cfg, "tau": tau}), tau
 
 
 def _method_kwargs(name: str, args: dict, workload) -> dict:

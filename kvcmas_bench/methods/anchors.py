@@ -1,0 +1,112 @@
+"""Online anchor pools shared by KVComm (full-dimensional) and KVCMAS (low-rank).
+
+One pool per shared slot, process-wide. An anchor stores a base cache (keys in canonical, position-0
+coordinates; values as they are) and, per consuming agent, the observed correction Delta. Storage is
+either the full ``[layers, S, D]`` matrices or truncated-SVD factors per layer, separately for K and
+V. When the pool is full, the least frequently used anchor among the 5 oldest is evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..lowrank import lowrank_sqdist, truncated_svd
+
+
+@dataclass(eq=False)
+class Factor:
+    """One ``[layers, S, D]`` matrix stack, stored full (``b is None``) or as ``a @ b``."""
+
+    a: torch.Tensor
+    b: torch.Tensor | None = None
+
+    @classmethod
+    def make(cls, z: torch.Tensor, rank: int | None) -> "Factor":
+        if rank is None:
+            return cls(z.clone())
+        a, b = truncated_svd(z, rank)
+        return cls(a, b)
+
+    @property
+    def length(self) -> int:
+        return self.a.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.a.numel() * self.a.element_size()
+        return n + (0 if self.b is None else self.b.numel() * self.b.element_size())
+
+    def rows(self, k: int) -> torch.Tensor:
+        """Reconstruction of the first ``k`` rows, ``[layers, k, D]``."""
+        return self.a[:, :k] if self.b is None else torch.bmm(self.a[:, :k], self.b)
+
+    def sqdist(self, x: torch.Tensor) -> torch.Tensor:
+        """``sum_layers ||x - Z[:k]||_F^2`` for ``x`` of ``k`` rows."""
+        k = x.shape[1]
+        if self.b is None:
+            return (x.float() - self.a[:, :k].float()).square().sum()
+        return lowrank_sqdist(x, self.a[:, :k], self.b)
+
+
+@dataclass(eq=False)
+class Anchor:
+    base_k: Factor
+    base_v: Factor
+    source_key: tuple
+    created: int
+    deltas: dict[str, tuple[Factor, Factor]] = field(default_factory=dict)
+    count: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.base_k.length
+
+    @property
+    def nbytes(self) -> int:
+        n = self.base_k.nbytes + self.base_v.nbytes
+        return n + sum(dk.nbytes + dv.nbytes for dk, dv in self.deltas.values())
+
+
+@dataclass
+class AnchorPool:
+    capacity: int
+    anchors: list[Anchor] = field(default_factory=list)
+    inserted: int = 0
+    evicted: int = 0
+
+    def compatible(self, consumer: str, k: int) -> list[Anchor]:
+        """Anchors with a correction for ``consumer`` whose stored length is at least ``k``."""
+        return [a for a in self.anchors if consumer in a.deltas and a.length >= k]
+
+    def lengths(self, consumer: str) -> list[int]:
+        return sorted((a.length for a in self.anchors if consumer in a.deltas), reverse=True)
+
+    def add(self, source_key: tuple, base_k: torch.Tensor, base_v: torch.Tensor, consumer: str,
+            delta_k: torch.Tensor, delta_v: torch.Tensor, rank: int | None) -> Anchor:
+        """Insert the observed correction; an anchor built from the same source gains a consumer."""
+        dk, dv = Factor.make(delta_k, rank), Factor.make(delta_v, rank)
+        for a in self.anchors:
+            if a.source_key == source_key:
+                a.deltas[consumer] = (dk, dv)
+                return a
+        if len(self.anchors) >= self.capacity:
+            self.evict()
+        anchor = Anchor(Factor.make(base_k, rank), Factor.make(base_v, rank), source_key, self.inserted,
+                        {consumer: (dk, dv)})
+        self.inserted += 1
+        self.anchors.append(anchor)
+        return anchor
+
+    def evict(self) -> Anchor:
+        """Least frequently used among the five oldest (ties: the oldest)."""
+        oldest = sorted(self.anchors, key=lambda a: a.created)[:5]
+        victim = min(oldest, key=lambda a: (a.count, a.created))
+        self.anchors.remove(victim)
+        self.evicted += 1
+        return victim
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.anchors)

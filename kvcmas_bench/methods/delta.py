@@ -1,0 +1,172 @@
+"""Online delta correction with an anchor pool: the machinery KVCMAS and KVComm share.
+
+For a shared segment of target agent j, the reference cache C_ref (chained: the source agent's
+materialized cache C_i; non-chained: a context-free prefill of the segment) is compared with the
+anchors of the slot's pool (Eq. 9-11). A reliable match gives
+
+    C_hat_j = align(C_ref) + sum_v w_v Delta_v,j            (Eq. 5 / Eq. 8)
+
+with token-wise weights w (keys and values separately); an unreliable one falls back to dense
+prefill, whose exact cache yields a new anchor (Eq. 12) after the first token. Keys are compared,
+stored and corrected in canonical (position-0) coordinates and rotated to the target at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..engine import SegmentContext, SegmentKV
+from ..lowrank import canonical_keys, from_rows, gate_entropy, to_rows, token_weights, weighted_lowrank
+from ..kvmath import shift_keys
+from .anchors import Anchor, AnchorPool
+from .base import Method
+
+
+@dataclass
+class GateDecision:
+    anchors: list[Anchor]
+    k: int
+    weights: torch.Tensor
+    entropy: float | None
+
+
+@dataclass
+class OnlineDeltaCorrection(Method):
+    """Shared by KVCMAS (low-rank, chained) and KVComm (full-dimensional, non-chained)."""
+
+    anchors: int = 10
+    tau: float = 0.3
+    rank: int | None = 32
+    temperature: float = 1.0
+    chained: bool = True
+    exact_layer0: bool = False
+    activation_top_p: float = 0.9
+    pools: dict[str, AnchorPool] = field(default_factory=dict, repr=False)
+    stats: dict[str, int] = field(default_factory=dict, repr=False)
+    entropies: list[tuple[float, int]] = field(default_factory=list, repr=False)
+    references: dict[tuple, SegmentKV] = field(default_factory=dict, repr=False)
+
+    max_references: ClassVar[int] = 16
+
+    def config(self) -> dict:
+        return {"name": self.name, "anchors": self.anchors, "tau": self.tau, "rank": self.rank,
+                "temperature": self.temperature, "chained": self.chained, "exact_layer0": self.exact_layer0,
+                "activation_top_p": self.activation_top_p}
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + n
+
+    # ---- reference ---------------------------------------------------------------------------
+    def reference_of(self, ctx: SegmentContext) -> SegmentKV | None:
+        """Chained: the source agent's cache. Non-chained: the context-free reference, prefilled
+        once per first-seen segment (its time lands in the TTFT of the request waiting for it)."""
+        if self.chained:
+            return ctx.source
+        key = (ctx.slot, tuple(ctx.segment.ids))
+        ref = self.references.get(key)
+        if ref is None:
+            ref = ctx.reference()
+            self.references[key] = ref
+            while len(self.references) > self.max_references:
+                self.references.pop(next(iter(self.references)))
+        return ref
+
+    # ---- the one override point --------------------------------------------------------------
+    def materialize(self, ctx: SegmentContext) -> SegmentKV:
+        ref = self.reference_of(ctx)
+        if ref is None:
+            return ctx.dense()
+        inv = ctx.engine.inv_freq
+        ref_k = to_rows(canonical_keys(ref.k, ref.start, inv))
+        ref_v = to_rows(ref.v)
+        pool = self.pools.setdefault(ctx.slot, AnchorPool(self.anchors))
+        decision = self.gate(pool, ctx.agent, ref_v, ctx.length)
+        if decision is not None:
+            kv = self.correct(ctx, decision, ref_k, ref_v)
+            if kv is not None:
+                self._count("accepted")
+                return kv
+            self._count("nonfinite_fallback")
+        self._count("dense_fallback")
+        exact = ctx.dense()
+        source_key = (ref.agent, ref.start, ref.ids, id(ref.k))
+        ctx.defer(lambda: self.insert(pool, source_key, ref_k, ref_v, ctx.agent, exact, inv))
+        return exact
+
+    # ---- Eq. 9-11 ------------------------------------------------------------------------------
+    def gate(self, pool: AnchorPool, consumer: str, ref_v: torch.Tensor, S: int) -> GateDecision | None:
+        """Pick compatible anchors and decide reliability by normalized gate entropy.
+
+        The comparison prefix k is the segment length when two anchors cover it, otherwise the
+        longest prefix two anchors cover. With a pool of one the gate is bypassed (paper C.3).
+        """
+        lengths = pool.lengths(consumer)
+        if self.anchors == 1:
+            if not lengths:
+                return None
+            k = min(S, lengths[0])
+            cands = pool.compatible(consumer, k)
+            return GateDecision(cands, k, torch.ones(len(cands)), None)
+        if len(lengths) < 2:
+            return None
+        k = min(S, lengths[1])
+        cands = pool.compatible(consumer, k)
+        x = ref_v[:, :k]
+        d = torch.stack([a.base_v.sqdist(x) for a in cands]).sqrt()
+        h, g = gate_entropy(d, self.temperature)
+        self.entropies.append((h, S))
+        if h > self.tau:
+            return None
+        order = torch.argsort(g, descending=True)
+        cum = torch.cumsum(g[order], 0)
+        n_top = int((cum < self.activation_top_p).sum()) + 1
+        for i in order[:n_top].tolist():
+            cands[i].count += 1
+        return GateDecision(cands, k, g, h)
+
+    # ---- Eq. 8 ---------------------------------------------------------------------------------
+    def correct(self, ctx: SegmentContext, dec: GateDecision, ref_k: torch.Tensor,
+                ref_v: torch.Tensor) -> SegmentKV | None:
+        """``align(C_ref) + sum_v w_v A_v B_v`` on the covered prefix, aligned rows beyond it."""
+        k = dec.k
+        out_k, out_v = ref_k.clone(), ref_v.clone()
+        for part, ref_rows, out in (("k", ref_k, out_k), ("v", ref_v, out_v)):
+            bases = [a.base_k if part == "k" else a.base_v for a in dec.anchors]
+            deltas = [a.deltas[ctx.agent][0 if part == "k" else 1] for a in dec.anchors]
+            dist = torch.stack([(ref_rows[:, :k].float() - b.rows(k).float()).abs().mean(dim=(0, 2))
+                                for b in bases])
+            w = token_weights(dist, self.temperature)
+            if all(d.b is not None for d in deltas):
+                a = torch.stack([d.a[:, :k] for d in deltas])
+                b = torch.stack([d.b for d in deltas])
+                corr = weighted_lowrank(w, a, b)
+            else:
+                corr = sum(w[i][None, :, None].to(out.dtype) * d.rows(k) for i, d in enumerate(deltas))
+            out[:, :k] += corr.to(out.dtype)
+        if not (torch.isfinite(out_k).all() and torch.isfinite(out_v).all()):
+            return None
+        heads = ctx.engine.n_kv
+        kk = shift_keys(from_rows(out_k, heads), ctx.start, ctx.engine.inv_freq)
+        kv = SegmentKV(k=kk, v=from_rows(out_v, heads), start=ctx.start, ids=tuple(ctx.segment.ids),
+                       status="corrected")
+        if self.exact_layer0:
+            ctx.write(kv)
+            ctx.forward(ctx.embed(), range(ctx.length), [0], count=False)
+            kv = ctx.current("corrected")
+        return kv
+
+    # ---- Eq. 12 --------------------------------------------------------------------------------
+    def insert(self, pool: AnchorPool, source_key: tuple, ref_k: torch.Tensor, ref_v: torch.Tensor,
+               consumer: str, exact: SegmentKV, inv_freq: torch.Tensor) -> None:
+        """New anchor from a dense fallback: base = C_ref, Delta = C_j - align(C_ref) (canonical)."""
+        ex_k = to_rows(canonical_keys(exact.k, exact.start, inv_freq))
+        ex_v = to_rows(exact.v)
+        pool.add(source_key, ref_k, ref_v, consumer, ex_k - ref_k, ex_v - ref_v, self.rank)
+        self._count("anchors_inserted")
+
+    def state_bytes(self) -> int:
+        n = sum(p.nbytes for p in self.pools.values())
+        return n + sum(r.nbytes for r in self.references.values())

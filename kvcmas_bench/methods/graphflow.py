@@ -1,0 +1,89 @@
+"""GraphFlow (Li et al. 2026a) as the representative preconstructed-correction method.
+
+Non-chained, no online matching. Calibration on held-out samples stores, for every recurring
+relation (slot, consuming agent j), the mean per-position correction
+
+    Delta_j[t] = mean over calibration segments covering t of (C_j - align(C_ref))[t]
+
+(keys in canonical coordinates) up to the longest calibrated length, where C_ref is the segment
+prefilled with no agent prefix. At run time the context-free reference of each first-seen segment
+is prefilled once (its time counts in the TTFT of the request waiting for it) and
+
+    C_hat_j = align(C_ref) + Delta_j   on the calibrated rows, the plain reference beyond,
+
+always applied (rho = 1 for eligible segments). Relations never seen in calibration reuse the
+reference unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine import SegmentContext, SegmentKV
+from ..kvmath import shift_keys
+from ..lowrank import canonical_keys
+from .base import Method, register
+
+
+@register
+@dataclass
+class GraphFlow(Method):
+    name = "graphflow"
+    summary = "calibrated per-(slot, agent) mean corrections on a context-free reference"
+    needs_calibration = True
+    calibration_reference = True
+    corrections: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    references: dict[tuple, SegmentKV] = field(default_factory=dict, repr=False)
+
+    def config(self) -> dict:
+        return {"name": self.name, "relations": sorted(f"{s}->{a}" for s, a in self.corrections)}
+
+    def calibrate(self, observations: list, n_layers: int) -> None:
+        sums: dict[tuple[str, str], list[torch.Tensor]] = {}
+        for ob in observations:
+            dk = canonical_keys(ob.exact.k, ob.exact.start, ob.inv_freq).float() - ob.reference.k.float()
+            dv = ob.exact.v.float() - ob.reference.v.float()
+            S = dk.shape[2]
+            acc = sums.get((ob.slot, ob.agent))
+            if acc is None or acc[0].shape[2] < S:
+                acc = [_grow(acc[0] if acc else None, dk, S), _grow(acc[1] if acc else None, dv, S),
+                       _grow(acc[2] if acc else None, torch.zeros(S), S)]
+                sums[(ob.slot, ob.agent)] = acc
+            acc[0][:, :, :S] += dk
+            acc[1][:, :, :S] += dv
+            acc[2][:S] += 1
+        self.corrections = {rel: (k / c[None, None, :, None], v / c[None, None, :, None])
+                            for rel, (k, v, c) in sums.items()}
+
+    def materialize(self, ctx: SegmentContext) -> SegmentKV:
+        key = (ctx.slot, tuple(ctx.segment.ids))
+        ref = self.references.get(key)
+        if ref is None:
+            ref = ctx.reference()
+            self.references = {k: v for k, v in self.references.items() if k[0] != ctx.slot}
+            self.references[key] = ref
+        k, v = ref.k.clone(), ref.v.clone()
+        corr = self.corrections.get((ctx.slot, ctx.agent))
+        if corr is not None:
+            n = min(ctx.length, corr[0].shape[2])
+            k[:, :, :n] += corr[0][:, :, :n].to(k.dtype)
+            v[:, :, :n] += corr[1][:, :, :n].to(v.dtype)
+        return SegmentKV(k=shift_keys(k, ctx.start, ctx.engine.inv_freq), v=v, start=ctx.start,
+                         ids=tuple(ctx.segment.ids), status="corrected")
+
+    def state_bytes(self) -> int:
+        n = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.corrections.values())
+        return n + sum(r.nbytes for r in self.references.values())
+
+
+def _grow(t: torch.Tensor | None, like: torch.Tensor, S: int) -> torch.Tensor:
+    """Zero tensor shaped like ``like`` with ``S`` rows on the token axis, holding ``t``'s rows."""
+    axis = like.ndim - 2 if like.ndim > 1 else 0
+    shape = list(like.shape)
+    shape[axis] = S
+    out = torch.zeros(shape, dtype=torch.float32, device=like.device)
+    if t is not None:
+        out.narrow(axis, 0, t.shape[axis]).copy_(t)
+    return out

@@ -1,0 +1,28 @@
+"""KVComm (Ye et al. 2025): online anchor pool, full-dimensional, non-chained.
+
+Each anchor stores the context-free reference cache of its segment (positions at 0) and, per
+consuming agent, Delta_j = C_j - C_ref (full K and V, every layer). The gate accepts when the
+entropy of softmax(-||V_ref - V_anchor||) is <= gamma * log2(N) (normalized entropy <= gamma,
+gamma = 0.3); token-wise weights softmax(-mean|ref - anchor|); layer 0 is recomputed exactly (it
+depends only on tokens and positions). V = 20 anchors, LFU eviction among the 5 oldest. Memory
+O(V N L D) per slot. The first agent is corrected too (non-chained).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import register
+from .delta import OnlineDeltaCorrection
+
+
+@register
+@dataclass
+class KVComm(OnlineDeltaCorrection):
+    name = "kvcomm"
+    summary = "full-dimensional online anchors relative to a context-free reference"
+    anchors: int = 20
+    tau: float = 0.3
+    rank: int | None = None
+    chained: bool = False
+    exact_layer0: bool = True
