@@ -84,3 +84,25 @@ def effective_rank(z: torch.Tensor, energy: float = 0.9) -> float:
     s = torch.linalg.svdvals(z.float())
     e = (s.square().cumsum(-1) / s.square().sum(-1, keepdim=True).clamp_min(1e-30))
     return float((e < energy).sum(-1).add(1).float().mean())
+
+
+def token_sqdist(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, orthonormal: bool = True) -> torch.Tensor:
+    """Per-token squared distance to each low-rank anchor, summed over layers: ``[n, k]``.
+
+    ``||x_t - a_t B||^2 = ||x_t||^2 - 2 <x_t B^T, a_t> + a_t (B B^T) a_t^T`` for every layer, with
+    all anchors' B stacked into one GEMM. The factors of :func:`truncated_svd` have orthonormal rows
+    (``B B^T = I``), so the last term is ``||a_t||^2``. x ``[layers, k, D]``, a ``[n, layers, k, r]``,
+    b ``[n, layers, r, D]``. Summing over tokens gives the gate distance of Eq. 9 squared.
+    """
+    n, L, k, r = a.shape
+    x = x.float()
+    bcat = b.float().permute(1, 0, 2, 3).reshape(L, n * r, b.shape[-1])
+    acat = a.float().permute(1, 2, 0, 3).reshape(L, k, n * r)
+    xb = torch.bmm(x, bcat.transpose(1, 2))
+    if orthonormal:
+        quad_cross = (acat * (acat - 2 * xb)).view(L, k, n, r).sum(-1)
+    else:
+        gram = torch.matmul(b.float(), b.float().transpose(-1, -2))
+        quad = (torch.matmul(a.float(), gram) * a.float()).sum(-1).permute(1, 2, 0)
+        quad_cross = quad - 2 * (acat * xb).view(L, k, n, r).sum(-1)
+    return (x.square().sum(-1)[..., None] + quad_cross).sum(0).T.clamp_min(0.0)

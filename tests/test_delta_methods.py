@@ -199,3 +199,21 @@ def test_to_rows_layout():
     rows = to_rows(x)
     assert rows.shape == (2, 4, 15)
     assert torch.equal(rows[1, 2, 5:10], x[1, 1, 2])
+
+
+def test_token_sqdist_matches_reconstruction():
+    from kvcmas_bench.lowrank import token_sqdist
+
+    torch.manual_seed(3)
+    x, a, b = torch.randn(4, 9, 16), torch.randn(3, 4, 9, 5), torch.randn(3, 4, 5, 16)
+    ref = torch.stack([(x - torch.bmm(a[v], b[v])).square().sum(dim=(0, 2)) for v in range(3)])
+    got = token_sqdist(x, a, b, orthonormal=False)
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-3)
+    # SVD factors have orthonormal B rows, the shortcut the methods use
+    z = torch.randn(3, 4, 9, 16)
+    fa, fb = zip(*(truncated_svd(z[v], 5) for v in range(3)))
+    fa, fb = torch.stack(fa), torch.stack(fb)
+    assert torch.allclose(torch.matmul(fb, fb.transpose(-1, -2)), torch.eye(5).expand(3, 4, 5, 5), atol=1e-5)
+    ref2 = torch.stack([(x - torch.bmm(fa[v], fb[v])).square().sum(dim=(0, 2)) for v in range(3)])
+    assert torch.allclose(token_sqdist(x, fa, fb), ref2, rtol=1e-4, atol=1e-3)
+    assert torch.allclose(got.sum(1), torch.stack([lowrank_sqdist(x, a[v], b[v]) for v in range(3)]), rtol=1e-4)

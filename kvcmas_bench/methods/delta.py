@@ -19,7 +19,8 @@ from typing import ClassVar
 import torch
 
 from ..engine import SegmentContext, SegmentKV
-from ..lowrank import canonical_keys, from_rows, gate_entropy, to_rows, token_weights, weighted_lowrank
+from ..lowrank import (canonical_keys, from_rows, gate_entropy, to_rows, token_sqdist, token_weights,
+                       weighted_lowrank)
 from ..kvmath import shift_keys
 from .anchors import Anchor, AnchorPool
 from .base import Method
@@ -31,6 +32,7 @@ class GateDecision:
     k: int
     weights: torch.Tensor
     entropy: float | None
+    sqdist_v: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,9 +116,8 @@ class OnlineDeltaCorrection(Method):
             return None
         k = min(S, lengths[1])
         cands = pool.compatible(consumer, k)
-        x = ref_v[:, :k]
-        d = torch.stack([a.base_v.sqdist(x) for a in cands]).sqrt()
-        h, g = gate_entropy(d, self.temperature)
+        dist_v = self.token_sqdist(ref_v[:, :k], [a.base_v for a in cands])
+        h, g = gate_entropy(dist_v.sum(1).sqrt(), self.temperature)
         self.entropies.append((h, S))
         if h > self.tau:
             return None
@@ -125,7 +126,28 @@ class OnlineDeltaCorrection(Method):
         n_top = int((cum < self.activation_top_p).sum()) + 1
         for i in order[:n_top].tolist():
             cands[i].count += 1
-        return GateDecision(cands, k, g, h)
+        return GateDecision(cands, k, g, h, dist_v)
+
+    @staticmethod
+    def token_sqdist(x: torch.Tensor, bases: list) -> torch.Tensor:
+        """``[n, k]`` squared distance of every token to each anchor base, summed over layers."""
+        k = x.shape[1]
+        if all(b.b is not None for b in bases):
+            return token_sqdist(x, torch.stack([b.a[:, :k] for b in bases]), torch.stack([b.b for b in bases]))
+        return torch.stack([(x.float() - b.rows(k).float()).square().sum(dim=(0, 2)) for b in bases])
+
+    def token_distance(self, x: torch.Tensor, bases: list, sqdist: torch.Tensor | None) -> torch.Tensor:
+        """Token-wise distance to each anchor base (``[n, k]``) for the interpolation weights.
+
+        Full-dimensional anchors (KVComm): mean absolute distance, as KVComm computes it. Low-rank
+        anchors (KVCMAS): root-mean-square distance from the factors, which reuses the gate's GEMM
+        and never reconstructs an anchor (the L1 distance would need every ``A @ B``).
+        """
+        if all(b.b is not None for b in bases):
+            sq = sqdist if sqdist is not None else self.token_sqdist(x, bases)
+            return (sq / (x.shape[0] * x.shape[2])).sqrt()
+        k = x.shape[1]
+        return torch.stack([(x.float() - b.rows(k).float()).abs().mean(dim=(0, 2)) for b in bases])
 
     # ---- Eq. 8 ---------------------------------------------------------------------------------
     def correct(self, ctx: SegmentContext, dec: GateDecision, ref_k: torch.Tensor,
@@ -136,13 +158,11 @@ class OnlineDeltaCorrection(Method):
         for part, ref_rows, out in (("k", ref_k, out_k), ("v", ref_v, out_v)):
             bases = [a.base_k if part == "k" else a.base_v for a in dec.anchors]
             deltas = [a.deltas[ctx.agent][0 if part == "k" else 1] for a in dec.anchors]
-            dist = torch.stack([(ref_rows[:, :k].float() - b.rows(k).float()).abs().mean(dim=(0, 2))
-                                for b in bases])
-            w = token_weights(dist, self.temperature)
+            sq = dec.sqdist_v if part == "v" else None
+            w = token_weights(self.token_distance(ref_rows[:, :k], bases, sq), self.temperature)
             if all(d.b is not None for d in deltas):
-                a = torch.stack([d.a[:, :k] for d in deltas])
-                b = torch.stack([d.b for d in deltas])
-                corr = weighted_lowrank(w, a, b)
+                corr = weighted_lowrank(w, torch.stack([d.a[:, :k] for d in deltas]),
+                                        torch.stack([d.b for d in deltas]))
             else:
                 corr = sum(w[i][None, :, None].to(out.dtype) * d.rows(k) for i, d in enumerate(deltas))
             out[:, :k] += corr.to(out.dtype)
