@@ -102,6 +102,9 @@ def run(
     rho: Optional[float] = typer.Option(None, help="Target reuse ratio of CacheBlend/DroidSpeak/RelayCaching."),
     target_reuse: Optional[float] = typer.Option(None, help="Pick tau on calibration samples to reach this "
                                                  "reuse ratio (KVCMAS/KVComm); the chosen tau is recorded."),
+    topology: str = typer.Option("chain", help="Agent graph: chain, fan-out, fan-in or loop."),
+    agents: Optional[int] = typer.Option(None, help="Number of agents incl. the final one (default: workload's 4)."),
+    rounds: int = typer.Option(1, help="Interaction rounds (repetitions of the task-agent layer)."),
     calib_samples: int = typer.Option(4, help="Held-out samples for calibration (GraphFlow, DroidSpeak, "
                                       "RelayCaching, --target-reuse)."),
 ) -> None:
@@ -113,6 +116,7 @@ def run(
                       seed=seed, device=device, dtype=dtype, subjects=_split(subjects), data_path=data_path,
                       max_new_tokens=max_new_tokens, final_max_new_tokens=final_max_new_tokens,
                       fidelity=fidelity, calib_samples=calib_samples, target_reuse=target_reuse,
+                      topology=topology, agents=agents, rounds=rounds,
                       method_args={"tau": tau, "rank": rank, "anchors": anchors, "rho": rho})
     progress = _Progress()
     try:
@@ -162,6 +166,14 @@ def _fail(msg: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Console entry point with one-line errors and exit code 2."""
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_VERBOSITY", "error")
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="transformers")
     cmd = typer.main.get_command(app)
     try:
         rc = cmd.main(args=argv, prog_name="kvcmas-bench", standalone_mode=False)

@@ -17,7 +17,7 @@ from .errors import BenchError
 from .methods import get_method
 from .results.records import RunDir, write_json
 from .results.summary import summarize
-from .workflow import ChainWorkflow
+from .workflow import Workflow
 from .workloads import get_workload
 
 
@@ -37,6 +37,9 @@ class RunOptions:
     final_max_new_tokens: int | None = None
     fidelity: bool = False
     calib_samples: int = 4
+    topology: str = "chain"
+    agents: int | None = None
+    rounds: int = 1
     target_reuse: float | None = None
     method_args: dict = field(default_factory=dict)
 
@@ -98,6 +101,14 @@ def validate(opts: RunOptions) -> None:
             raise BenchError(f"--{k} must be a positive integer, got {v}")
         if k in ("tau", "rho") and not 0.0 <= v <= 1.0:
             raise BenchError(f"--{k} must lie in [0, 1], got {v}")
+    from .workflow import TOPOLOGIES
+
+    if opts.topology not in TOPOLOGIES:
+        raise BenchError(f"unknown --topology {opts.topology!r}; use one of {', '.join(TOPOLOGIES)}")
+    if opts.agents is not None and opts.agents < 2:
+        raise BenchError(f"--agents must be at least 2 (task agents + the final agent), got {opts.agents}")
+    if opts.rounds < 1:
+        raise BenchError(f"--rounds must be a positive integer, got {opts.rounds}")
     if opts.limit is not None and opts.limit < 1:
         raise BenchError(f"--limit must be a positive integer, got {opts.limit}")
     for flag, v in (("--max-new-tokens", opts.max_new_tokens), ("--final-max-new-tokens", opts.final_max_new_tokens)):
@@ -121,8 +132,11 @@ def run(opts: RunOptions, progress=None) -> dict:
         raise BenchError("no samples selected (check --subjects / --data-path)")
     lm = load_model(opts.model, opts.dtype, str(device))
     engine = Engine(lm.model, lm.tokenizer)
-    flow = ChainWorkflow(engine, method, workload, opts.max_new_tokens, opts.final_max_new_tokens,
-                         fidelity=opts.fidelity)
+    def make_flow(m, fidelity=False):
+        return Workflow(engine, m, workload, opts.max_new_tokens, opts.final_max_new_tokens, fidelity=fidelity,
+                        topology=opts.topology, agents=opts.agents, rounds=opts.rounds)
+
+    flow = make_flow(method, opts.fidelity)
     calib_ids: list[str] = []
     if method.needs_calibration:
         from .calibration import collect
@@ -131,9 +145,7 @@ def run(opts: RunOptions, progress=None) -> dict:
         if not calib:
             raise BenchError("no calibration samples left outside the evaluated ones; lower --limit")
         calib_ids = [s.id for s in calib]
-        obs = collect(lambda m: ChainWorkflow(engine, m, workload, opts.max_new_tokens,
-                                              opts.final_max_new_tokens), calib,
-                      with_reference=method.calibration_reference)
+        obs = collect(make_flow, calib, with_reference=method.calibration_reference)
         method.calibrate(obs, engine.n_layers)
     chosen_tau = None
     if opts.target_reuse is not None:
@@ -141,14 +153,14 @@ def run(opts: RunOptions, progress=None) -> dict:
             raise BenchError(f"--target-reuse applies to methods with a gate threshold, not {opts.method!r}")
         calib = calibration_samples(all_samples, {s.id for s in samples}, opts.calib_samples, opts.seed)
         calib_ids = [s.id for s in calib]
-        method, chosen_tau = auto_tau(method, lambda m: ChainWorkflow(
-            engine, m, workload, opts.max_new_tokens, opts.final_max_new_tokens), calib, opts.target_reuse)
+        method, chosen_tau = auto_tau(method, make_flow, calib, opts.target_reuse)
+        flow = make_flow(method, opts.fidelity)
     config = {
         "method": opts.method, "method_config": method.config(), "workload": opts.workload,
         "model": lm.name, "model_source": lm.source, "dtype": opts.dtype, "device": str(device),
         "seed": opts.seed, "limit": opts.limit, "subjects": opts.subjects, "data_path": opts.data_path,
         "max_new_tokens": flow.max_new, "final_max_new_tokens": flow.final_max_new,
-        "fidelity": opts.fidelity, "topology": "chain", "calibration_samples": calib_ids,
+        "fidelity": opts.fidelity, "topology": opts.topology, "n_agents": flow.n_agents, "rounds": opts.rounds, "calibration_samples": calib_ids,
         "target_reuse": opts.target_reuse, "auto_tau": chosen_tau, "agents": [r.name for r, _ in flow.agents()],
         "prefix_caching": False, "decoding": "greedy", "engine": "in-process (one request at a time)",
         "versions": _versions(), "git_revision": _git_revision(), "hardware": hardware(device),
@@ -218,7 +230,7 @@ def _method_kwargs(name: str, args: dict, workload) -> dict:
     return kw
 
 
-def run_one(flow: ChainWorkflow, sample, engine: Engine, method) -> tuple[dict, list[dict]]:
+def run_one(flow: Workflow, sample, engine: Engine, method) -> tuple[dict, list[dict]]:
     """Run one sample through the workflow; return its sample record and request records."""
     sr = flow.run_sample(sample)
     pred, correct = flow.workload.score(sample, sr.final_text)

@@ -68,6 +68,7 @@ class AgentStep:
     role: Role
     result: RequestResult
     text: str
+    request: Request | None = None
 
 
 @dataclass
@@ -80,17 +81,90 @@ class SampleRun:
         return self.steps[-1].text
 
 
-def out_slot(role: Role) -> str:
-    return f"out:{role.name}"
+TOPOLOGIES = ("chain", "fan-out", "fan-in", "loop")
 
 
-class ChainWorkflow:
-    """Sequential chain: task agents in order, each reading the query and all earlier outputs,
-    then the final agent. The source of each PH segment is the agent that materialized the slot
-    most recently (the predecessor on the workflow edge), so corrections chain along the edges."""
+@dataclass
+class Node:
+    """One agent execution: its role, whose outputs it reads, and its ancestors (possible sources)."""
+
+    id: str
+    role: Role
+    reads: list[int]
+    ancestors: set[int]
+    final: bool = False
+
+
+def plan(topology: str, task_roles: tuple[Role, ...], final_role: Role, agents: int, rounds: int) -> list[Node]:
+    """Execution order of an agent graph of ``agents`` agents (the last one is the final agent).
+
+    chain   : task agents in sequence, each reading every earlier output; ``rounds`` repeats them.
+    loop    : task agents in a cycle for ``rounds`` rounds, each reading the previous cycle's outputs.
+    fan-out : the first task agent, then the others in parallel reading only its output; the
+              parallel layer repeats ``rounds`` times, reading the previous layer.
+    fan-in  : task agents in parallel on the query alone (``rounds`` layers, each reading the
+              previous layer), then the final agent reads them all.
+    The final agent reads the outputs of the last layer (chain: all outputs).
+    """
+    if topology not in TOPOLOGIES:
+        from .errors import BenchError
+
+        raise BenchError(f"unknown --topology {topology!r}; use one of {', '.join(TOPOLOGIES)}")
+    n_task = agents - 1
+    roles = [task_roles[i % len(task_roles)] for i in range(n_task)]
+    nodes: list[Node] = []
+
+    def add(role: Role, reads: list[int], final: bool = False) -> int:
+        anc = set(reads)
+        for r in reads:
+            anc |= nodes[r].ancestors
+        nodes.append(Node(f"{role.name}#{len(nodes)}", role, reads, anc, final))
+        return len(nodes) - 1
+
+    last_layer: list[int] = []
+    if topology == "chain":
+        for _ in range(rounds):
+            for role in roles:
+                add(role, list(range(len(nodes))))
+        last_layer = list(range(len(nodes)))
+    elif topology == "loop":
+        prev: list[int] = []
+        for _ in range(rounds):
+            layer = []
+            for i, role in enumerate(roles):
+                reads = prev[i:] + layer  # the last n_task outputs, oldest first
+                layer.append(add(role, reads))
+            prev = layer
+        last_layer = prev
+    elif topology == "fan-out":
+        root = add(roles[0], [])
+        prev = [root]
+        others = roles[1:] or roles[:1]
+        for _ in range(rounds):
+            prev = [add(role, list(prev)) for role in others]
+        last_layer = [root] + prev if rounds == 1 else prev
+    else:  # fan-in
+        prev = []
+        for _ in range(rounds):
+            prev = [add(role, list(prev)) for role in roles]
+        last_layer = prev
+    add(final_role, last_layer, final=True)
+    return nodes
+
+
+def out_slot(node: Node) -> str:
+    return f"out:{node.id}"
+
+
+class Workflow:
+    """Runs one sample through an agent graph. The source of each PH segment is the most recent
+    materialization of its slot among the node's ancestors (the predecessor on the workflow edge;
+    for an agent output, the producer's decode-phase cache), so corrections chain along edges and
+    each incoming segment at a fan-in keeps its own source."""
 
     def __init__(self, engine: Engine, method, workload: Workload, max_new_tokens: int | None = None,
-                 final_max_new_tokens: int | None = None, fidelity: bool = False):
+                 final_max_new_tokens: int | None = None, fidelity: bool = False, topology: str = "chain",
+                 agents: int | None = None, rounds: int = 1):
         self.engine = engine
         self.tok = engine.tokenizer
         self.method = method
@@ -98,35 +172,46 @@ class ChainWorkflow:
         self.max_new = max_new_tokens or workload.max_new_tokens
         self.final_max_new = final_max_new_tokens or workload.final_max_new_tokens
         self.fidelity = fidelity
+        self.topology = topology
+        self.n_agents = agents or len(workload.roles) + 1
+        self.rounds = rounds
+        self.nodes = plan(topology, workload.roles, workload.final_role, self.n_agents, rounds)
 
     def agents(self) -> list[tuple[Role, int]]:
-        return [(r, self.max_new) for r in self.workload.roles] + [(self.workload.final_role, self.final_max_new)]
+        return [(n.role, self.final_max_new if n.final else self.max_new) for n in self.nodes]
 
-    def user_parts(self, role: Role, upstream: list[Role]) -> list[str | SharedRef]:
+    def user_parts(self, node: Node) -> list[str | SharedRef]:
         parts: list[str | SharedRef] = ["Task:\n", SharedRef("q")]
-        for up in upstream:
-            parts += [f"\n\nAnalysis from the {up.name}:\n", SharedRef(out_slot(up))]
-        parts.append("\n\n" + role.instruction)
+        for r in node.reads:
+            up = self.nodes[r]
+            parts += [f"\n\nAnalysis from the {up.role.name}:\n", SharedRef(out_slot(up))]
+        parts.append("\n\n" + node.role.instruction)
         return parts
 
     def run_sample(self, sample: Sample) -> SampleRun:
         shared_ids = {"q": self.tok(sample.query, add_special_tokens=False)["input_ids"]}
-        store: dict[str, SegmentKV] = {}
+        # slot -> list of (node index, cache) in materialization order
+        store: dict[str, list[tuple[int, SegmentKV]]] = {}
         run = SampleRun(sample)
-        upstream: list[Role] = []
-        for role, max_new in self.agents():
-            parts = self.user_parts(role, upstream)
-            sources = {slot: kv.agent for slot, kv in store.items()}
-            segs = render_segments(self.tok, role.system, parts, shared_ids, sources)
-            req = Request(role.name, segs, max_new)
-            res = self.engine.run(req, self.method, sources=dict(store), fidelity=self.fidelity)
-            store.update(res.materialized)
+        for idx, node in enumerate(self.nodes):
+            sources: dict[str, SegmentKV] = {}
+            for slot, hist in store.items():
+                for producer, kv in reversed(hist):
+                    if producer in node.ancestors:
+                        sources[slot] = kv
+                        break
+            segs = render_segments(self.tok, node.role.system, self.user_parts(node), shared_ids,
+                                   {slot: kv.agent for slot, kv in sources.items()})
+            req = Request(node.role.name, segs, self.final_max_new if node.final else self.max_new)
+            res = self.engine.run(req, self.method, sources=sources, fidelity=self.fidelity)
+            for slot, kv in res.materialized.items():
+                store.setdefault(slot, []).append((idx, kv))
             if res.output_kv is not None:
-                res.output_kv.slot = out_slot(role)
-                store[out_slot(role)] = res.output_kv
-            shared_ids[out_slot(role)] = list(res.output_ids)
-            res.shared_store_bytes = sum(kv.nbytes for kv in store.values())  # type: ignore[attr-defined]
+                res.output_kv.slot = out_slot(node)
+                store.setdefault(out_slot(node), []).append((idx, res.output_kv))
+            shared_ids[out_slot(node)] = list(res.output_ids)
+            res.shared_store_bytes = sum(kv.nbytes for h in store.values() for _, kv in h)  # type: ignore[attr-defined]
             text = self.tok.decode(res.output_ids, skip_special_tokens=True)
-            run.steps.append(AgentStep(role, res, text))
-            upstream.append(role)
+            run.steps.append(AgentStep(node.role, res, text, req))
         return run
+

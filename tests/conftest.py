@@ -55,3 +55,21 @@ def engine(llama):
 def rand_ids(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random-weight Llama saved with the real SmolLM2 tokenizer (fast end-to-end runs)."""
+    from transformers import AutoTokenizer
+
+    from kvcmas_bench.modeling import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    model = tiny_model("llama", vocab=len(tok), layers=2)
+    model.config.eos_token_id = tok.eos_token_id
+    d = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+

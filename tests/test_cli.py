@@ -12,24 +12,6 @@ from kvcmas_bench import runner
 from kvcmas_bench.cli import main
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny random-weight Llama saved with the real SmolLM2 tokenizer (fast end-to-end runs)."""
-    from transformers import AutoTokenizer
-
-    from kvcmas_bench.modeling import default_model_dir
-
-    from .conftest import tiny_model
-
-    tok = AutoTokenizer.from_pretrained(default_model_dir())
-    model = tiny_model("llama", vocab=len(tok), layers=2)
-    model.config.eos_token_id = tok.eos_token_id
-    d = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
-
-
 def _run(args: list[str]) -> int:
     try:
         main(args)

@@ -1,6 +1,6 @@
 """Sharing methods; importing this package registers them all in ``METHODS``."""
 
-from . import fullshared, graphflow, kvcmas, kvcomm, nonshared  # noqa: F401
+from . import cacheblend, droidspeak, fullshared, graphflow, kvcmas, kvcomm, nonshared, relaycaching  # noqa: F401
 from .base import METHODS, Method, register
 
 __all__ = ["METHODS", "Method", "register", "get_method"]

@@ -16,7 +16,8 @@ from ..errors import BenchError
 
 # Config keys that must match for a resume: changing them would mix incomparable results.
 RESUME_KEYS = ("method", "method_config", "workload", "model", "dtype", "seed", "subjects",
-               "max_new_tokens", "final_max_new_tokens", "data_path", "fidelity", "topology")
+               "max_new_tokens", "final_max_new_tokens", "data_path", "fidelity", "topology", "n_agents",
+               "rounds", "target_reuse")
 
 
 def _read_jsonl(path: Path) -> list[dict]:
