@@ -30,8 +30,13 @@ class Segment:
     slot: str | None = None
     source: str | None = None
     name: str = ""
+    #: input embeddings ``[S, hidden]`` fed instead of the token embeddings (visual tokens); ``ids``
+    #: then holds placeholder ids of the same length, for bookkeeping and identity
+    embeds: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.embeds is not None and self.embeds.shape[0] != len(self.ids):
+            raise ValueError("embeds must have one row per segment id")
         if self.kind not in ("PF", "PH"):
             raise ValueError(f"segment kind must be PF or PH, not {self.kind!r}")
         if self.kind == "PH" and not self.slot:
@@ -162,7 +167,7 @@ class SegmentContext:
     def dense(self, keep_hidden: Iterable[int] = ()) -> SegmentKV:
         """Exact prefill of the segment over the cache built so far."""
         kv, _ = self.engine.prefill(self.cache, self.segment.ids, self.start, keep_hidden=keep_hidden,
-                                    slot=self.slot, agent=self.agent)
+                                    slot=self.slot, agent=self.agent, embeds=self.segment.embeds)
         self.prefilled += self.length
         return kv
 
@@ -174,7 +179,8 @@ class SegmentContext:
 
     def reference(self, keep_hidden: Iterable[int] = ()) -> SegmentKV:
         """Context-free reference: the segment prefilled alone at positions 0.. (counted in TTFT)."""
-        kv = self.engine.prefill_alone(self.segment.ids, keep_hidden=keep_hidden, slot=self.slot)
+        kv = self.engine.prefill_alone(self.segment.ids, keep_hidden=keep_hidden, slot=self.slot,
+                                       embeds=self.segment.embeds)
         self.reference_tokens += self.length
         return kv
 
@@ -184,6 +190,9 @@ class SegmentContext:
 
     def embed(self, rel: Sequence[int] | None = None) -> torch.Tensor:
         """Token embeddings ``[1, T, hidden]`` of the segment (or of the rows ``rel``)."""
+        if self.segment.embeds is not None:
+            e = self.segment.embeds if rel is None else self.segment.embeds[torch.as_tensor(list(rel))]
+            return e[None].to(self.engine.device, self.engine.dtype)
         ids = self.segment.ids if rel is None else [self.segment.ids[i] for i in rel]
         return self.engine.embed_ids(ids)
 
@@ -215,11 +224,12 @@ class Engine:
     """Runs requests on one model, one at a time, with exact per-segment bookkeeping."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None):
-        check_supported(model.config)
+        self.config = getattr(model.config, "text_config", None) or model.config
+        check_supported(self.config)
         self.model = model
         self.tokenizer = tokenizer
-        self.config = model.config
         base = model.model
+        base = getattr(base, "language_model", base)  # vision-language models wrap a causal LM
         self.layers = base.layers
         self.embed = base.embed_tokens
         self.norm = base.norm
@@ -323,19 +333,22 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, cache: KVCache, ids: Sequence[int], start: int, keep_hidden: Iterable[int] = (),
-                slot: str | None = None, agent: str | None = None) -> tuple[SegmentKV, torch.Tensor]:
-        """Dense prefill of ``ids`` at ``start`` over the cache; returns the segment KV and last h."""
+                slot: str | None = None, agent: str | None = None,
+                embeds: torch.Tensor | None = None) -> tuple[SegmentKV, torch.Tensor]:
+        """Dense prefill of ``ids`` (or ``embeds``) at ``start`` over the cache; returns the segment KV
+        and the hidden states of its rows."""
         positions = torch.arange(start, start + len(ids), device=self.device)
-        h, kept = self.run_layers(cache, self.embed_ids(ids), positions, keep_hidden=keep_hidden)
+        x = embeds[None].to(self.device, self.dtype) if embeds is not None else self.embed_ids(ids)
+        h, kept = self.run_layers(cache, x, positions, keep_hidden=keep_hidden)
         kv = cache.segment(start, start + len(ids), ids=tuple(ids), slot=slot, agent=agent)
         kv.hidden = kept
         return kv, h
 
     def prefill_alone(self, ids: Sequence[int], keep_hidden: Iterable[int] = (),
-                      slot: str | None = None) -> SegmentKV:
+                      slot: str | None = None, embeds: torch.Tensor | None = None) -> SegmentKV:
         """The segment prefilled with no prefix (positions 0..S-1)."""
         cache = self.new_cache(len(ids))
-        kv, _ = self.prefill(cache, ids, 0, keep_hidden=keep_hidden, slot=slot)
+        kv, _ = self.prefill(cache, ids, 0, keep_hidden=keep_hidden, slot=slot, embeds=embeds)
         return kv
 
     # ---- requests ----------------------------------------------------------------------------
@@ -362,14 +375,14 @@ class Engine:
             S = len(seg.ids)
             if seg.kind == "PF":
                 if S:
-                    _, h = self.prefill(cache, seg.ids, pos, agent=request.agent)
+                    _, h = self.prefill(cache, seg.ids, pos, agent=request.agent, embeds=seg.embeds)
                     prefilled += S
                 seg_records.append({"kind": "PF", "name": seg.name, "tokens": S, "status": "exact"})
             else:
                 exact = None
                 if fidelity:
                     tf = self.now()
-                    exact, _ = self.prefill(cache, seg.ids, pos, agent=request.agent)
+                    exact, _ = self.prefill(cache, seg.ids, pos, agent=request.agent, embeds=seg.embeds)
                     cache.k[:, :, pos:pos + S] = 0
                     cache.v[:, :, pos:pos + S] = 0
                     excluded += self.now() - tf
@@ -434,7 +447,7 @@ class Engine:
         fid = None
         if fidelity:
             from .fidelity import request_fidelity
-            fid = request_fidelity(self, request.prompt_ids, logits, fid_segments)
+            fid = request_fidelity(self, request.prompt_ids, logits, fid_segments, self.prompt_embeds(request))
         return RequestResult(
             agent=request.agent, output_ids=out, ttft_s=ttft, e2e_s=e2e, prompt_tokens=prompt_len,
             prefilled_tokens=prefilled, reused_tokens=reused, reference_tokens=reference,
@@ -444,9 +457,18 @@ class Engine:
             first_logits=logits.detach().cpu() if fidelity else None, fidelity=fid,
         )
 
+    def prompt_embeds(self, request: Request) -> torch.Tensor | None:
+        """Input embeddings of the whole prompt when a segment carries embeddings, else None."""
+        if all(s.embeds is None for s in request.segments):
+            return None
+        parts = [s.embeds.to(self.device, self.dtype) if s.embeds is not None else self.embed_ids(s.ids)[0]
+                 for s in request.segments if s.ids]
+        return torch.cat(parts)
+
     @torch.no_grad()
-    def dense_logits(self, ids: Sequence[int]) -> torch.Tensor:
+    def dense_logits(self, ids: Sequence[int], embeds: torch.Tensor | None = None) -> torch.Tensor:
         """All-position logits of one dense forward of ``ids`` (the reference for tests/fidelity)."""
         cache = self.new_cache(len(ids))
-        h, _ = self.run_layers(cache, self.embed_ids(ids), torch.arange(len(ids), device=self.device))
+        x = embeds[None].to(self.device, self.dtype) if embeds is not None else self.embed_ids(ids)
+        h, _ = self.run_layers(cache, x, torch.arange(len(ids), device=self.device))
         return self.logits(h)[0]

@@ -22,9 +22,9 @@ def segment_errors(approx, exact) -> dict:
     }
 
 
-def request_fidelity(engine, prompt_ids, logits: torch.Tensor, segments: list[dict]) -> dict:
+def request_fidelity(engine, prompt_ids, logits: torch.Tensor, segments: list[dict], embeds=None) -> dict:
     """First-token agreement and KL(dense || method) against a dense forward of the same prompt."""
-    dense = engine.dense_logits(prompt_ids)[-1]
+    dense = engine.dense_logits(prompt_ids, embeds)[-1]
     logp_dense = torch.log_softmax(dense.float(), -1)
     logp = torch.log_softmax(logits.float(), -1)
     kl = float((logp_dense.exp() * (logp_dense - logp)).sum())

@@ -64,6 +64,7 @@ class RunDir:
         self.samples_path = self.path / "samples.jsonl"
         self.requests_path = self.path / "requests.jsonl"
         self.summary_path = self.path / "summary.json"
+        config = json.loads(json.dumps(config, default=str))  # compare as stored (tuples -> lists)
         if self.config_path.exists():
             try:
                 old = json.loads(self.config_path.read_text(encoding="utf-8"))
