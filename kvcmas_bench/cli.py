@@ -128,6 +128,55 @@ def run(
     err.print(f"results in {output_path}/ (summary.json, samples.jsonl, requests.jsonl, config.json)")
 
 
+def _floats(flag: str, v: str) -> list[float]:
+    try:
+        return [float(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"{flag} takes comma-separated numbers, got {v!r}") from None
+
+
+def _ints(flag: str, v: str) -> list[int]:
+    try:
+        return [int(x) for x in v.split(",") if x.strip()]
+    except ValueError:
+        raise BenchError(f"{flag} takes comma-separated integers, got {v!r}") from None
+
+
+@app.command("serve-sweep")
+def serve_sweep_cmd(
+    method: str = typer.Option("all", "--method", "--methods", help="'all' or NAME[,NAME...]."),
+    qps: str = typer.Option("0,1,2,4,8", help="Trajectory arrival rates (starts/s), comma-separated; 0 = single stream."),
+    shared_tokens: str = typer.Option("2048", help="Non-generated shared context lengths, comma-separated "
+                                      "(with --accumulated: accumulated agent-output lengths)."),
+    num_trajectories: int = typer.Option(4, "--num-trajectories", "--trajectories", help="Evaluated trajectories."),
+    output_path: str = typer.Option("runs/serve-sweep", "--output-path", "-o", help="Output directory (resumable)."),
+    model: Optional[str] = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    seed: int = typer.Option(0, help="Seed of the traces and arrivals."),
+    burstiness: float = typer.Option(1.0, help="Gamma shape of inter-arrival gaps (1 = Poisson), as vllm bench serve."),
+    output_tokens: int = typer.Option(128, help="Tokens each agent generates (EOS ignored, as --ignore-eos)."),
+    accumulated: bool = typer.Option(False, help="Shared context accumulated from agent outputs (paper B.6)."),
+    traces: Optional[str] = typer.Option(None, help="Replay a saved traces.jsonl exactly."),
+    calib_trajectories: int = typer.Option(2, help="Held-out trajectories for calibration / pool warm-up."),
+    tau: Optional[float] = typer.Option(None, help="Gate threshold of KVCMAS/KVComm."),
+    rank: Optional[int] = typer.Option(None, help="KVCMAS rank."),
+    anchors: Optional[int] = typer.Option(None, help="Anchor pool size."),
+    rho: Optional[float] = typer.Option(None, help="Reuse ratio of the recomputation methods."),
+) -> None:
+    """Serve controlled 4-agent traces: measure each method once per shared length on the in-process
+    engine (one request at a time), then replay Poisson arrivals at every QPS on a virtual-clock FCFS
+    server; writes requests.jsonl, summary.json (TTFT p50/p90/p99 ...) and TTFT-vs-QPS plots."""
+    from .serving import serve_sweep
+
+    serve_sweep(_split(method) or ["all"], _floats("--qps", qps), _ints("--shared-tokens", shared_tokens),
+                num_trajectories, output_path, model=model, device=device, dtype=dtype, seed=seed,
+                burstiness=burstiness, output_tokens=output_tokens, accumulated=accumulated, traces_path=traces,
+                calib_trajectories=calib_trajectories,
+                method_args={"tau": tau, "rank": rank, "anchors": anchors, "rho": rho})
+    err.print(f"results in {output_path}/ (summary.json, requests.jsonl, service.jsonl, traces.jsonl, plots)")
+
+
 @app.command("methods")
 def list_methods() -> None:
     """List the available sharing methods."""
@@ -172,7 +221,14 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
     warnings.filterwarnings("ignore", module="transformers")
     cmd = typer.main.get_command(app)
     try:

