@@ -51,3 +51,34 @@ def collect(flow_factory, samples, with_reference: bool = False) -> list[Observa
     for s in samples:
         flow.run_sample(s)
     return rec.observations
+
+
+@dataclass
+class ImportanceRecorder(Recorder):
+    """A Recorder that also records each segment's attention importance at ``check_layer``: the
+    attention mass the segment's own queries place on each of its tokens in the exact target run
+    (RelayCaching's criterion; the following agent-specific tokens are not prefilled yet)."""
+
+    name = "_importance_recorder"
+    check_layer: int = 1
+    importance: list = field(default_factory=list)
+
+    def materialize(self, ctx: SegmentContext) -> SegmentKV:
+        from .methods.selection import attention_mass
+
+        if ctx.source is None:
+            return ctx.dense()
+        got: dict = {}
+
+        def probe(layer, q, K, mask, scaling):
+            if layer == self.check_layer:
+                got["att"] = attention_mass(q, K, mask, scaling, ctx.start, ctx.start + ctx.length)
+
+        ctx.forward(ctx.embed(), range(ctx.length), range(ctx.engine.n_layers), attn_probe=probe, count=False)
+        kv = ctx.current("exact")
+        ctx.prefilled += ctx.length
+        self.observations.append(Observation(
+            slot=ctx.slot, agent=ctx.agent, source_agent=ctx.source.agent or "", start=ctx.start,
+            source=ctx.aligned_source(), exact=kv, inv_freq=ctx.engine.inv_freq))
+        self.importance.append(got.get("att"))
+        return kv

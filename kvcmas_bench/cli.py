@@ -177,6 +177,36 @@ def serve_sweep_cmd(
     err.print(f"results in {output_path}/ (summary.json, requests.jsonl, service.jsonl, traces.jsonl, plots)")
 
 
+@app.command("coverage")
+def coverage_cmd(
+    workload: str = typer.Option("mmlu", help="Workload whose agent workflow provides the shared segments."),
+    limit: int = typer.Option(4, help="Samples to analyse."),
+    rho: str = typer.Option("0.9,0.8", help="Reuse ratios; the recomputation budget is 1 - rho."),
+    model: Optional[str] = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    seed: int = typer.Option(0, help="Seed of the sample subset."),
+    max_new_tokens: Optional[int] = typer.Option(None, help="Max new tokens per task agent."),
+    output_path: str = typer.Option("runs/coverage", "--output-path", "-o", help="Directory for coverage.csv/json."),
+) -> None:
+    """Reconstruction coverage of selective recomputation (paper Table 2): the share of reuse error
+    that layer (DroidSpeak), deviation (CacheBlend) and attention (RelayCaching) selection remove at
+    the same budget, and that share relative to random selection."""
+    from .analysis_coverage import coverage_report
+
+    rhos = _floats("--rho", rho)
+    df = coverage_report(workload, limit, rhos, model=model, device=device, dtype=dtype, seed=seed,
+                         max_new_tokens=max_new_tokens, output_path=output_path)
+    t = Table(title=f"reconstruction coverage on {workload} ({limit} samples)")
+    cols = ["rho", "criterion", "coverage", "relative_coverage", "norm_coverage", "observations"]
+    for c in cols:
+        t.add_column(c, justify="right")
+    for _, row in df.iterrows():
+        t.add_row(*[_fmt(row[c]) for c in cols])
+    out.print(t)
+    err.print(f"results in {output_path}/ (coverage.csv, coverage.json)")
+
+
 @app.command("methods")
 def list_methods() -> None:
     """List the available sharing methods."""

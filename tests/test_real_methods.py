@@ -56,3 +56,29 @@ def test_real_kvcomm_and_graphflow_run_with_reference_prefill(tmp_path):
         assert s["n"] == 2 and s["reference_tokens"] > 0
         assert 0.0 < s["fidelity"]["kv_rel_error"] < 1.0
     assert s["reuse_ratio"] == 1.0  # GraphFlow always applies its correction
+
+
+@pytest.mark.slow
+def test_real_recompute_methods_error_between_fullshared_and_zero(tmp_path):
+    """CacheBlend, DroidSpeak, RelayCaching: 0 < KV error < FullShared's, and lower at rho 0.8."""
+    full = _fid(tmp_path, "fullshared", limit=2)["fidelity"]["kv_rel_error"]
+    for method in ("cacheblend", "droidspeak", "relaycaching"):
+        errs = {}
+        for rho in ("0.9", "0.8"):
+            s = _fid(tmp_path / rho, method, ["--rho", rho], limit=2)
+            errs[rho] = s["fidelity"]["kv_rel_error"]
+            assert s["recomputed_token_layers"] > 0
+        print(method, errs, "fullshared", full)
+        assert 0.0 < errs["0.8"] < errs["0.9"] < full, (method, errs, full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workload", ["gsm8k", "humaneval"])
+def test_real_model_gsm8k_and_humaneval_two_samples(tmp_path, workload):
+    out = tmp_path / workload
+    assert _run(["run", "--workload", workload, "--method", "kvcmas", "--limit", "2", "--device", "cpu",
+                 "--max-new-tokens", "24", "--final-max-new-tokens", "48", "-o", str(out)]) == 0
+    samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 and all(isinstance(s["correct"], bool) for s in samples)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 2 and summary["workload"] == workload
