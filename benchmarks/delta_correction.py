@@ -22,24 +22,12 @@ import time
 
 import torch
 
+from common import prefix, shared_ids
 from kvcmas_bench.engine import Engine, Request, Segment, SegmentContext
 from kvcmas_bench.lowrank import canonical_keys, to_rows
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import Anchor, AnchorPool, Factor
 from kvcmas_bench.modeling import load_model
-from kvcmas_bench.workloads import get_workload
-
-
-def shared_ids(tok, n: int) -> list[int]:
-    text = "\n\n".join(s.query for s in get_workload("mmlu").load()[:400])
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert len(ids) >= n, "not enough text"
-    return ids[:n]
-
-
-def prefix(tok, role: str) -> list[int]:
-    return tok(f"<|im_start|>system\nYou are the {role}.<|im_end|>\n<|im_start|>user\nTask:\n",
-               add_special_tokens=False)["input_ids"]
 
 
 def dense_segment(engine: Engine, pre: list[int], seg: list[int]):
