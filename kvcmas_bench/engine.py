@@ -9,6 +9,7 @@ decode, so every method is executed and measured by the same code. Methods decid
 
 from __future__ import annotations
 
+import itertools
 import resource
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,9 @@ import torch.nn.functional as F
 
 from .kvmath import rotate_half, shift_keys
 from .modeling import check_supported
+
+
+_UIDS = itertools.count()
 
 
 @dataclass
@@ -66,6 +70,8 @@ class SegmentKV:
     agent: str | None = None
     status: str = "exact"
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: identity of the materialization this cache (or its re-aligned view) comes from
+    uid: int = field(default_factory=lambda: next(_UIDS))
 
     @property
     def length(self) -> int:
@@ -87,6 +93,7 @@ class SegmentKV:
             agent=self.agent,
             status=self.status,
             hidden=self.hidden,
+            uid=self.uid,
         )
 
 
@@ -398,12 +405,14 @@ class Engine:
                 prefilled += ctx.prefilled
                 reference += ctx.reference_tokens
                 recomputed += ctx.recomputed_token_layers
-                if ctx.source is not None or kv.status != "exact":
-                    eligible += S
-                if kv.status != "exact":
-                    reused += S - ctx.prefilled
+                seg_eligible = ctx.source is not None or kv.status != "exact"
+                seg_reused = S - ctx.prefilled if kv.status != "exact" else 0
+                eligible += S if seg_eligible else 0
+                reused += seg_reused
                 rec = {"kind": "PH", "slot": seg.slot, "tokens": S, "status": kv.status,
-                       "source_agent": ctx.source.agent if ctx.source is not None else None}
+                       "source_agent": ctx.source.agent if ctx.source is not None else None,
+                       "eligible": seg_eligible, "reused_tokens": seg_reused,
+                       "recomputed_token_layers": ctx.recomputed_token_layers}
                 if exact is not None:
                     from .fidelity import segment_errors
                     rec.update(segment_errors(kv, exact))

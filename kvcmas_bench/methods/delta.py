@@ -94,7 +94,7 @@ class OnlineDeltaCorrection(Method):
             self._count("nonfinite_fallback")
         self._count("dense_fallback")
         exact = ctx.dense()
-        source_key = (ref.agent, ref.start, ref.ids, id(ref.k))
+        source_key = (ref.uid,)
         ctx.defer(lambda: self.insert(pool, source_key, ref_k, ref_v, ctx.agent, exact, inv))
         return exact
 

@@ -40,6 +40,7 @@ def summarize(samples: list[dict], requests: list[dict], meta: dict) -> dict:
                     "reuse_ratio": reuse_ratio(g)}
             for agent, g in r.groupby("agent", sort=False)
         }
+        out["per_slot"] = per_slot_reuse(r)
         fid = r.dropna(subset=["first_token_kl"]) if "first_token_kl" in r else r.iloc[0:0]
         if not fid.empty:
             out["fidelity"] = {"top1_agree": float(fid["top1_agree"].mean()),
@@ -56,3 +57,19 @@ def reuse_ratio(r: pd.DataFrame) -> float | None:
     served = float((r["reused_tokens"] * r["layers"]).sum() - r["recomputed_token_layers"].sum())
     rho = served / eligible
     return None if math.isnan(rho) else rho
+
+
+def per_slot_reuse(r: pd.DataFrame) -> dict:
+    """rho per shared slot, from the per-segment records of the requests."""
+    rows = [{"slot": s["slot"], "tokens": s["tokens"], "reused": s.get("reused_tokens", 0),
+             "recomputed": s.get("recomputed_token_layers", 0), "layers": layers}
+            for segs, layers in zip(r["segments"], r["layers"]) for s in segs
+            if s.get("kind") == "PH" and s.get("eligible")]
+    if not rows:
+        return {}
+    df = pd.DataFrame(rows)
+    out = {}
+    for slot, g in df.groupby("slot", sort=False):
+        eligible = float((g["tokens"] * g["layers"]).sum())
+        out[slot] = float(((g["reused"] * g["layers"]).sum() - g["recomputed"].sum()) / eligible)
+    return out

@@ -1,0 +1,480 @@
+"""Vision-language path: LLaVA-OneVision models, visual PH segments, and the VLM agent workflow.
+
+The language model inside a LLaVA-OneVision checkpoint is an ordinary Qwen2 decoder that the
+engine runs like any text model; the vision tower, the projector and the ``image_newline`` vector
+only produce the *input embeddings* of the visual tokens. This module computes those embeddings
+with the model's own ``get_image_features`` / ``get_video_features`` (exactly the tensors its
+``forward`` scatters into the image/video placeholder positions) and hands them to the engine as a
+shared (PH) segment:
+
+    Segment("PH", ids=[<image> id] * N, slot="image", embeds=features[N, hidden])
+
+``ids`` are the very placeholder ids the model's processor puts into ``input_ids`` (the image or
+video token repeated once per feature row), so ``Request.prompt_ids`` equals the ``input_ids`` of a
+plain HF forward, token for token, and the engine feeds ``embeds`` in place of their embeddings.
+
+Prompt layout (paper Sec. 2.1 with the visual context first, as LLaVA-OneVision's chat template
+puts images before the text of a turn)::
+
+    [PF_sys, PH_visual, PF("\\nTask:\\n"), PH_q, PF_glue0, PH_out0, ..., PF_tail]
+
+The chat template is the checkpoint's processor template (``chat_template.jinja`` /
+``chat_template.json``), rendered with the visual item in place and the image/video token replaced
+by a segment marker; the text between markers is tokenized as PF segments. Because the image and
+video tokens are special tokens, splitting the text at them is exactly what whole-string
+tokenization does, so the visual boundary is token-exact against the processor.
+
+Visual inputs: MathVista images go through the any-resolution path (``LlavaOnevisionImageProcessorPil``:
+best grid pinpoint, tiles + base image; the model unpads, interpolates beyond ``anyres_max_9`` and
+appends ``image_newline`` per row). Video-MME samples 32 frames uniformly, resizes each to the vision
+tower's input size (384x384 for LLaVA-OneVision-7B), and the model pools each frame's 27x27 patch
+grid to 14x14 = 196 tokens, plus one trailing ``image_newline`` for the video.
+
+The processor is assembled from its parts (tokenizer, PIL image processor, chat template, token ids
+from the model config) instead of ``AutoProcessor``: the stock ``LlavaOnevisionProcessor`` cannot be
+built without torchvision, which this project does not depend on. Video frames are resized and
+normalized here with PIL/numpy using the checkpoint's ``video_preprocessor_config.json`` mean/std.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .calibration import Observation, Recorder
+from .engine import Engine, Request, Segment, SegmentContext, SegmentKV
+from .errors import BenchError
+from .modeling import LoadedModel, check_supported, resolve_device, resolve_dtype
+from .workflow import _MARK, AgentStep, Node, SampleRun, SharedRef, Workflow, out_slot, render_segments
+from .workloads.base import Sample
+
+#: LLaVA-OneVision's video setting in the paper (Appendix B.1)
+VIDEO_FRAMES = 32
+#: OpenAI CLIP normalization, the default of ``LlavaOnevisionVideoProcessor``
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+EXAMPLE_MODEL = "llava-hf/llava-onevision-qwen2-7b-ov-hf"
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+# ---- samples ---------------------------------------------------------------------------------
+
+@dataclass
+class VisualContent:
+    """What a sample shows: ``kind`` "image" (one or more PIL images) or "video" (PIL frames)."""
+
+    kind: str
+    images: list = field(default_factory=list)
+    #: identity of the content (same key -> same pixels); used to cache features across samples
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("image", "video"):
+            raise ValueError(f"visual kind must be image or video, not {self.kind!r}")
+        if not self.images:
+            raise BenchError(f"no {self.kind} content" + (f" for {self.key}" if self.key else ""))
+
+
+@dataclass
+class VisualSample(Sample):
+    """A :class:`Sample` whose visual content is loaded lazily by ``visual()`` (kept out of ``meta``,
+    which is written to samples.jsonl and must stay JSON)."""
+
+    visual: Callable[[], VisualContent] | None = field(default=None, repr=False, compare=False)
+
+
+def sample_frame_indices(total: int, frames: int = VIDEO_FRAMES) -> list[int]:
+    """``frames`` indices spread uniformly over ``total`` frames, first and last included
+    (``np.linspace(0, total - 1, frames, dtype=int)``, as LLaVA-OneVision's lmms-eval loader)."""
+    if total < 1:
+        raise BenchError("video has no frames")
+    return np.linspace(0, total - 1, frames, dtype=int).tolist()
+
+
+# ---- processor ---------------------------------------------------------------------------------
+
+@dataclass
+class VisualProcessor:
+    """The parts of a LLaVA-OneVision processor the benchmark needs."""
+
+    tokenizer: Any
+    image_processor: Any
+    chat_template: str | None
+    image_token_id: int
+    video_token_id: int
+    image_token: str
+    video_token: str
+    frame_size: int
+    frame_mean: tuple[float, ...] = CLIP_MEAN
+    frame_std: tuple[float, ...] = CLIP_STD
+    frame_rescale: float = 1 / 255
+    num_frames: int = VIDEO_FRAMES
+
+    def token(self, kind: str) -> str:
+        return self.image_token if kind == "image" else self.video_token
+
+    def token_id(self, kind: str) -> int:
+        return self.image_token_id if kind == "image" else self.video_token_id
+
+    @classmethod
+    def from_pretrained(cls, path, config) -> "VisualProcessor":
+        """Tokenizer, image processor and chat template of a checkpoint (local folder or hub id)."""
+        from transformers import AutoTokenizer, LlavaOnevisionImageProcessorPil
+
+        where = str(path)
+        try:
+            tok = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:  # noqa: BLE001 - any loader failure is a missing/broken resource
+            raise BenchError(f"no usable tokenizer in {where}: {_first_line(exc)}") from None
+        local = Path(where) if Path(where).is_dir() else None
+        if local is not None and not (local / "preprocessor_config.json").exists():
+            raise BenchError(f"no image processor in {where} (preprocessor_config.json is missing)")
+        try:
+            image_processor = LlavaOnevisionImageProcessorPil.from_pretrained(path)
+        except Exception as exc:  # noqa: BLE001
+            raise BenchError(f"no usable image processor in {where}: {_first_line(exc)}") from None
+        proc_cfg = _read_json(path, "processor_config.json") or {}
+        video_cfg = _read_json(path, "video_preprocessor_config.json") or {}
+        template = _chat_template(path, proc_cfg)
+        image_id, video_id = int(config.image_token_id), int(config.video_token_id)
+        image_tok = proc_cfg.get("image_token") or tok.convert_ids_to_tokens(image_id)
+        video_tok = proc_cfg.get("video_token") or tok.convert_ids_to_tokens(video_id)
+        for name, t, i in (("image", image_tok, image_id), ("video", video_tok, video_id)):
+            if not isinstance(t, str) or tok.convert_tokens_to_ids(t) != i:
+                raise BenchError(f"the tokenizer in {where} has no {name} token with id {i} "
+                                 f"(the model config's {name}_token_index)")
+        return cls(tokenizer=tok, image_processor=image_processor, chat_template=template,
+                   image_token_id=image_id, video_token_id=video_id, image_token=image_tok,
+                   video_token=video_tok, frame_size=int(config.vision_config.image_size),
+                   frame_mean=tuple(video_cfg.get("image_mean", CLIP_MEAN)),
+                   frame_std=tuple(video_cfg.get("image_std", CLIP_STD)),
+                   frame_rescale=float(video_cfg.get("rescale_factor", 1 / 255)))
+
+    # ---- pixel inputs ------------------------------------------------------------------------
+    def image_inputs(self, images: Sequence) -> dict:
+        """``pixel_values`` / ``image_sizes`` / ``batch_num_images`` of the images of one sample
+        (one image: any-resolution tiles; several: base view each, as the processor does)."""
+        rgb = [im.convert("RGB") for im in images]
+        out = self.image_processor(images=[rgb], return_tensors="pt")
+        return {k: out[k] for k in ("pixel_values", "image_sizes", "batch_num_images") if k in out}
+
+    def video_inputs(self, frames: Sequence) -> torch.Tensor:
+        """``pixel_values_videos`` ``[1, F, 3, S, S]`` of sampled frames: bicubic resize to S x S
+        (S = the vision tower's input size, 384 for LLaVA-OneVision-7B), rescale, normalize."""
+        from PIL import Image
+
+        mean = np.asarray(self.frame_mean, dtype=np.float32)[:, None, None]
+        std = np.asarray(self.frame_std, dtype=np.float32)[:, None, None]
+        S = self.frame_size
+        arrs = []
+        for fr in frames:
+            im = fr.convert("RGB").resize((S, S), Image.BICUBIC)
+            x = np.asarray(im, dtype=np.float32).transpose(2, 0, 1) * self.frame_rescale
+            arrs.append((x - mean) / std)
+        return torch.from_numpy(np.stack(arrs))[None]
+
+
+def _read_json(path, name: str) -> dict | None:
+    p = Path(str(path)) / name
+    if p.is_file():
+        try:
+            return json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BenchError(f"cannot read {p}: {_first_line(exc)}") from None
+    if Path(str(path)).is_dir():
+        return None
+    try:  # hub id: the file may be in the (cached) repo
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(str(path), name)).read_text(encoding="utf-8"))
+    except Exception:  # noqa: BLE001 - optional file
+        return None
+
+
+def _chat_template(path, proc_cfg: dict) -> str | None:
+    p = Path(str(path))
+    if p.is_dir() and (p / "chat_template.jinja").is_file():
+        return (p / "chat_template.jinja").read_text(encoding="utf-8")
+    data = _read_json(path, "chat_template.json")
+    if data and data.get("chat_template"):
+        return data["chat_template"]
+    return proc_cfg.get("chat_template")
+
+
+# ---- model -------------------------------------------------------------------------------------
+
+@dataclass
+class LoadedVLM(LoadedModel):
+    processor: VisualProcessor | None = None
+
+
+def load_vlm(spec: str | None, dtype: str = "float32", device: str = "cpu") -> LoadedVLM:
+    """Load a LLaVA-OneVision checkpoint (HF id or local folder) and its processor parts."""
+    from transformers import AutoConfig, LlavaOnevisionForConditionalGeneration
+
+    torch_dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
+    if not spec:
+        raise BenchError(f"the VLM workloads need --model with a LLaVA-OneVision checkpoint, e.g. {EXAMPLE_MODEL}")
+    path: Path | str = Path(spec).expanduser()
+    if Path(path).exists():
+        if not Path(path).is_dir():
+            raise BenchError(f"VLM model must be a checkpoint folder or HF id, not a file: {spec}")
+        if not (Path(path) / "config.json").is_file():
+            raise BenchError(f"no config.json in model folder {spec}")
+    elif spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise BenchError(f"model not found: {spec} (not a local folder or HF id)")
+    else:
+        path = spec
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001
+        raise BenchError(f"cannot load model config of {spec!r}: {_first_line(exc)}") from None
+    if getattr(config, "model_type", None) != "llava_onevision":
+        raise BenchError(f"{spec} is a {getattr(config, 'model_type', None)!r} model; the VLM workloads need "
+                         f"a LLaVA-OneVision checkpoint (model_type 'llava_onevision'), e.g. {EXAMPLE_MODEL}")
+    check_supported(config.text_config)
+    if isinstance(path, Path) and not (any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))):
+        raise BenchError(f"no model weights in {spec} (*.safetensors or pytorch_model*.bin missing)")
+    processor = VisualProcessor.from_pretrained(path, config)
+    try:
+        model = LlavaOnevisionForConditionalGeneration.from_pretrained(path, dtype=torch_dtype)
+    except Exception as exc:  # noqa: BLE001
+        raise BenchError(f"cannot load LLaVA-OneVision weights of {spec!r}: {_first_line(exc)}") from None
+    model.to(dev).eval()
+    return LoadedVLM(model=model, tokenizer=processor.tokenizer, name=spec, source=str(path), processor=processor)
+
+
+# ---- visual features ---------------------------------------------------------------------------
+
+@dataclass
+class VisualInput:
+    """One sample's visual PH segment content: placeholder ids and the embeddings fed for them."""
+
+    kind: str
+    ids: list[int]
+    embeds: torch.Tensor
+    key: str
+    encode_s: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+
+@torch.no_grad()
+def image_features(model, pixel_values: torch.Tensor, image_sizes: torch.Tensor,
+                   batch_num_images: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, hidden]`` embeddings of the image tokens of one prompt, exactly those that
+    ``LlavaOnevisionModel.forward`` scatters into its image placeholders (any-resolution tiles,
+    unpadding, ``anyres_max`` interpolation and the ``image_newline`` rows included)."""
+    base = model.model
+    p = next(model.parameters())
+    out = base.get_image_features(pixel_values.to(p.device, p.dtype), image_sizes.to(p.device),
+                                  batch_num_images=batch_num_images, return_dict=True)
+    return torch.cat(out.pooler_output, dim=0)
+
+
+@torch.no_grad()
+def video_features(model, pixel_values_videos: torch.Tensor) -> torch.Tensor:
+    """``[F * pooled + 1, hidden]`` embeddings of the video tokens, exactly as
+    ``LlavaOnevisionModel.forward`` inserts them (per-frame 2x bilinear pooling of the patch grid,
+    e.g. 27x27 -> 14x14 = 196 per 384x384 frame, then one ``image_newline`` row)."""
+    p = next(model.parameters())
+    out = model.model.get_video_features(pixel_values_videos.to(p.device, p.dtype), return_dict=True)
+    return out.pooler_output.flatten(0, 1)
+
+
+def encode_visual(model, processor: VisualProcessor, content: VisualContent) -> VisualInput:
+    """Visual embeddings of one sample's content and their placeholder ids."""
+    t0 = time.perf_counter()
+    if content.kind == "image":
+        inputs = processor.image_inputs(content.images)
+        feats = image_features(model, inputs["pixel_values"], inputs["image_sizes"], inputs.get("batch_num_images"))
+    else:
+        frames = content.images
+        if len(frames) != processor.num_frames:
+            idx = sample_frame_indices(len(frames), processor.num_frames)
+            frames = [frames[i] for i in idx]
+        feats = video_features(model, processor.video_inputs(frames))
+    if feats.device.type == "cuda":
+        torch.cuda.synchronize(feats.device)
+    key = content.key or hashlib.sha1(feats.float().cpu().numpy().tobytes()).hexdigest()
+    ids = [processor.token_id(content.kind)] * feats.shape[0]
+    return VisualInput(content.kind, ids, feats, key, time.perf_counter() - t0)
+
+
+def visual_segment(visual: VisualInput, source: str | None = None) -> Segment:
+    """The PH segment of a sample's visual tokens (slot = "image" or "video")."""
+    return Segment("PH", list(visual.ids), slot=visual.kind, source=source, embeds=visual.embeds)
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+
+class _VisualChat:
+    """Tokenizer stand-in for :func:`render_segments` that renders the checkpoint's multimodal chat
+    template: the visual item goes where the template puts images/videos, its token is replaced by
+    the segment marker of the visual ``SharedRef`` (index 0, the first user part)."""
+
+    def __init__(self, processor: VisualProcessor, kind: str):
+        self.p = processor
+        self.kind = kind
+        self.marker = _MARK.format(0)
+
+    def __call__(self, text, **kwargs):
+        return self.p.tokenizer(text, **kwargs)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        tok = self.p.tokenizer
+        if not self.p.chat_template:  # plain text template: the visual tokens open the user turn
+            msgs = [{"role": m["role"], "content": m["content"].replace(self.marker, self.marker + "\n", 1)}
+                    for m in messages]
+            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+        msgs = []
+        for m in messages:
+            items: list[dict] = []
+            text = m["content"]
+            if self.marker in text:
+                text = text.replace(self.marker, "", 1)
+                items.append({"type": self.kind})
+            items.append({"type": "text", "text": text})
+            msgs.append({"role": m["role"], "content": items})
+        out = tok.apply_chat_template(msgs, chat_template=self.p.chat_template, tokenize=False,
+                                      add_generation_prompt=add_generation_prompt)
+        token = self.p.token(self.kind)
+        if out.count(token) != 1:
+            raise BenchError(f"the chat template rendered {out.count(token)} {token} tokens for one {self.kind}")
+        return out.replace(token, self.marker)
+
+
+def _forget_references(method, slot: str) -> None:
+    """Drop a method's cached context-free references of ``slot``.
+
+    GraphFlow and the non-chained delta methods cache the reference prefill under
+    ``(slot, ids)``; visual placeholder ids are one token repeated, so two different images with
+    the same token count would share a key. The workflow calls this whenever the visual content
+    changes (see the proposed fix keying references by the segment's embeddings too)."""
+    refs = getattr(method, "references", None)
+    if isinstance(refs, dict):
+        for k in [k for k in refs if isinstance(k, tuple) and k and k[0] == slot]:
+            del refs[k]
+
+
+class VLMWorkflow(Workflow):
+    """:class:`Workflow` for LLaVA-OneVision: every agent's user turn opens with the sample's visual
+    PH segment (right after PF_sys), then the text task (PH_q) and the upstream outputs. The visual
+    segment is one shared slot (``image`` / ``video``) whose source is chained along the workflow
+    edges exactly like PH_q. Features are computed once per distinct visual content (cached across
+    samples with the same key, e.g. the three questions of one Video-MME video)."""
+
+    def __init__(self, engine: Engine, method, workload, max_new_tokens: int | None = None,
+                 final_max_new_tokens: int | None = None, fidelity: bool = False, topology: str = "chain",
+                 agents: int | None = None, rounds: int = 1, processor: VisualProcessor | None = None):
+        super().__init__(engine, method, workload, max_new_tokens, final_max_new_tokens, fidelity=fidelity,
+                         topology=topology, agents=agents, rounds=rounds)
+        if processor is None:
+            raise ValueError("VLMWorkflow needs the model's VisualProcessor")
+        self.processor = processor
+        self._last: VisualInput | None = None
+
+    def user_parts(self, node: Node, kind: str = "image") -> list[str | SharedRef]:
+        return [SharedRef(kind)] + super().user_parts(node)
+
+    def visual_input(self, sample: Sample) -> VisualInput:
+        loader = getattr(sample, "visual", None)
+        if loader is None:
+            raise BenchError(f"sample {sample.id} carries no image or video (not a VLM workload sample)")
+        content = loader()
+        if self._last is not None and content.key is not None and content.key == self._last.key:
+            return replace(self._last, encode_s=0.0)
+        vis = encode_visual(self.engine.model, self.processor, content)
+        if self._last is None or self._last.key != vis.key:
+            _forget_references(self.method, vis.kind)
+        self._last = vis
+        return vis
+
+    def segments(self, node: Node, visual: VisualInput, shared_ids: dict[str, list[int]],
+                 sources: dict[str, SegmentKV]) -> list[Segment]:
+        chat = _VisualChat(self.processor, visual.kind)
+        segs = render_segments(chat, node.role.system, self.user_parts(node, visual.kind), shared_ids,
+                               {slot: kv.agent for slot, kv in sources.items()})
+        return [replace(s, embeds=visual.embeds) if s.kind == "PH" and s.slot == visual.kind else s
+                for s in segs]
+
+    def run_sample(self, sample: Sample) -> SampleRun:
+        visual = self.visual_input(sample)
+        shared_ids = {"q": self.tok(sample.query, add_special_tokens=False)["input_ids"],
+                      visual.kind: list(visual.ids)}
+        store: dict[str, list[tuple[int, SegmentKV]]] = {}
+        run = SampleRun(sample)
+        run.visual = {"kind": visual.kind, "tokens": visual.tokens, "encode_s": visual.encode_s}  # type: ignore[attr-defined]
+        for idx, node in enumerate(self.nodes):
+            sources: dict[str, SegmentKV] = {}
+            for slot, hist in store.items():
+                for producer, kv in reversed(hist):
+                    if producer in node.ancestors:
+                        sources[slot] = kv
+                        break
+            segs = self.segments(node, visual, shared_ids, sources)
+            req = Request(node.role.name, segs, self.final_max_new if node.final else self.max_new)
+            res = self.engine.run(req, self.method, sources=sources, fidelity=self.fidelity)
+            for slot, kv in res.materialized.items():
+                store.setdefault(slot, []).append((idx, kv))
+            if res.output_kv is not None:
+                res.output_kv.slot = out_slot(node)
+                store.setdefault(out_slot(node), []).append((idx, res.output_kv))
+            shared_ids[out_slot(node)] = list(res.output_ids)
+            res.shared_store_bytes = sum(kv.nbytes for h in store.values() for _, kv in h)  # type: ignore[attr-defined]
+            text = self.tok.decode(res.output_ids, skip_special_tokens=True)
+            run.steps.append(AgentStep(node.role, res, text, req))
+        return run
+
+
+# ---- calibration -------------------------------------------------------------------------------
+
+@dataclass
+class VisualRecorder(Recorder):
+    """:class:`Recorder` whose context-free reference of an embeddings segment is prefilled from
+    its embeddings (``Recorder`` prefills ``segment.ids``, i.e. the placeholder token's embedding)."""
+
+    def materialize(self, ctx: SegmentContext) -> SegmentKV:
+        kv = ctx.dense()
+        if ctx.source is not None:
+            ref = (ctx.engine.prefill_alone(ctx.segment.ids, slot=ctx.slot, embeds=ctx.segment.embeds)
+                   if self.with_reference else None)
+            self.observations.append(Observation(
+                slot=ctx.slot, agent=ctx.agent, source_agent=ctx.source.agent or "", start=ctx.start,
+                source=ctx.aligned_source(), exact=kv, reference=ref, inv_freq=ctx.engine.inv_freq))
+        return kv
+
+
+def collect(flow_factory, samples, with_reference: bool = False) -> list[Observation]:
+    """:func:`kvcmas_bench.calibration.collect` with a :class:`VisualRecorder`."""
+    rec = VisualRecorder(with_reference=with_reference)
+    flow = flow_factory(rec)
+    for s in samples:
+        flow.run_sample(s)
+    return rec.observations
+
+
+def is_visual(workload) -> bool:
+    """Whether a workload needs the VLM path (its samples carry images or video)."""
+    return getattr(workload, "modality", "text") in ("image", "video")
+
+
+def tokens_per_frame(config) -> int:
+    """Visual tokens of one video frame after LLaVA-OneVision's 2x pooling (196 for 384/14)."""
+    side = config.vision_config.image_size // config.vision_config.patch_size
+    return math.ceil(side / 2) ** 2
