@@ -37,7 +37,8 @@ class Recorder(Method):
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
         kv = ctx.dense()
         if ctx.source is not None:
-            ref = ctx.engine.prefill_alone(ctx.segment.ids, slot=ctx.slot) if self.with_reference else None
+            ref = (ctx.engine.prefill_alone(ctx.segment.ids, slot=ctx.slot, embeds=ctx.segment.embeds)
+                   if self.with_reference else None)
             self.observations.append(Observation(
                 slot=ctx.slot, agent=ctx.agent, source_agent=ctx.source.agent or "", start=ctx.start,
                 source=ctx.aligned_source(), exact=kv, reference=ref, inv_freq=ctx.engine.inv_freq))

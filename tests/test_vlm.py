@@ -29,7 +29,8 @@ CHAT_TEMPLATE = (
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ '\\n' + content['text'] }}"
-    "{% endfor %}{{'<|im_end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% endfor %}{{'<|im_end|>\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 TILE = 32          # vision tower input (384 for LLaVA-OneVision-7B)
 PATCH = 8          # 4x4 = 16 tokens per tile, pooled to 2x2 per video frame
@@ -60,7 +61,9 @@ def _build_checkpoint(d) -> None:
                 p.normal_(0, 0.2)
     model.save_pretrained(d)
     tok.save_pretrained(d)
-    LlavaOnevisionImageProcessorPil(size={"height": TILE, "width": TILE}, image_grid_pinpoints=PINPOINTS).save_pretrained(d)
+    image_processor = LlavaOnevisionImageProcessorPil(size={"height": TILE, "width": TILE},
+                                                      image_grid_pinpoints=PINPOINTS)
+    image_processor.save_pretrained(d)
     (d / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     (d / "processor_config.json").write_text(json.dumps({
         "processor_class": "LlavaOnevisionProcessor", "num_image_tokens": (TILE // PATCH) ** 2,
@@ -183,15 +186,21 @@ def test_plain_tokenizer_template_fallback(lv, engine):
     """Without a processor chat template the visual segment opens the user turn of the tokenizer's."""
     from dataclasses import replace
 
+    from transformers import AutoTokenizer
+
+    from kvcmas_bench.modeling import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir())  # SmolLM2's own (text) chat template
+    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
     flow = vlm.VLMWorkflow(engine, get_method("nonshared"), get_workload("mathvista"), 2, 2, agents=2,
-                           processor=replace(lv.processor, chat_template=None))
+                           processor=replace(lv.processor, chat_template=None, tokenizer=tok))
     sample = image_sample(8)
     req = flow.run_sample(sample).steps[0].request
-    tok = lv.tokenizer
     assert req.segments[1].slot == "image" and tok.decode(req.segments[0].ids).endswith("<|im_start|>user\n")
     assert tok.decode(req.segments[2].ids).startswith("\nTask:")
     with torch.no_grad():
-        ref = lv.model(input_ids=torch.tensor([req.prompt_ids]), **lv.processor.image_inputs(sample.visual().images)).logits[0]
+        inputs = lv.processor.image_inputs(sample.visual().images)
+        ref = lv.model(input_ids=torch.tensor([req.prompt_ids]), **inputs).logits[0]
     assert (_segmentwise_logits(engine, req.segments) - ref).abs().max().item() < 1e-4
 
 
@@ -224,15 +233,16 @@ def test_nonshared_vlm_workflow_equals_generate(lv, engine):
 def test_every_method_runs_on_vlm_path(lv, engine, name):
     from dataclasses import fields
 
-    method = get_method(name, **({"tau": 0.5} if "tau" in {f.name for f in fields(METHODS[name])} else {}))
+    # tau = 1: once the anchor pool is filled, the gate accepts, so the corrected path runs too
+    method = get_method(name, **({"tau": 1.0} if "tau" in {f.name for f in fields(METHODS[name])} else {}))
     if method.needs_calibration:
         obs = vlm.collect(lambda m: _flow(engine, lv, m, max_new_tokens=2, final_max_new_tokens=2),
                           [image_sample(9)], with_reference=method.calibration_reference)
         assert any(o.slot == "image" for o in obs)
         method.calibrate(obs, engine.n_layers)
     flow = _flow(engine, lv, method, max_new_tokens=2, final_max_new_tokens=2)
-    # two samples for the online-anchor methods, so that their gate sees a filled pool
-    samples = [image_sample(3, 40, 40), image_sample(4, 40, 40)][:2 if hasattr(method, "pools") else 1]
+    # three samples for the online-anchor methods, so that their gate sees a filled pool
+    samples = [image_sample(i, 40, 40) for i in (3, 4, 5)][:3 if hasattr(method, "pools") else 1]
     for s in samples:
         run = flow.run_sample(s)
         assert len(run.steps) == 4
@@ -241,8 +251,11 @@ def test_every_method_runs_on_vlm_path(lv, engine, name):
             assert rec["slot"] == "image" and rec["tokens"] == run.visual["tokens"]
             assert rec["source_agent"] == (run.steps[i - 1].role.name if i else None)
         flow.workload.score(s, run.final_text)
+    statuses = [step.result.segments[1]["status"] for step in run.steps]
     if name == "fullshared":
-        assert run.steps[1].result.segments[1]["status"] == "reused"
+        assert statuses[1:] == ["reused"] * 3
+    if hasattr(method, "pools"):
+        assert method.entropies and "corrected" in statuses and method.pools["image"].nbytes > 0
 
 
 def test_visual_recorder_reference_uses_embeddings(lv, engine):
@@ -261,14 +274,20 @@ def test_cached_reference_follows_visual_content(lv, engine):
     flow = _flow(engine, lv, method, agents=2, max_new_tokens=2, final_max_new_tokens=2)
     a = flow.run_sample(image_sample(6, key="same"))
     b = flow.run_sample(image_sample(6, key="same"))      # same content: features and reference reused
+
+    def fail():
+        raise AssertionError("a cached visual_key must not load the content again")
+    again = flow.run_sample(vlm.VisualSample(id="again", query=image_sample(6).query, gold="3",
+                                             meta=image_sample(6).meta, visual=fail, visual_key="same"))
     c = flow.run_sample(image_sample(7))                  # same size, other image: both recomputed
     n = a.visual["tokens"]
     assert a.steps[0].result.reference_tokens >= n and a.visual["encode_s"] > 0
     assert b.steps[0].result.reference_tokens < n and b.visual["encode_s"] == 0.0
+    assert again.visual["encode_s"] == 0.0 and again.steps[0].result.reference_tokens < n
     assert c.visual["tokens"] == n and c.steps[0].result.reference_tokens >= n
     key = next(k for k in method.references if k[0] == "image")
-    ref = engine.prefill_alone(c.steps[0].request.segments[1].ids, embeds=c.steps[0].request.segments[1].embeds)
-    assert torch.allclose(method.references[key].k, ref.k, atol=1e-5)
+    seg = c.steps[0].request.segments[1]
+    assert torch.allclose(method.references[key].k, engine.prefill_alone(seg.ids, embeds=seg.embeds).k, atol=1e-5)
 
 
 # ---- workloads ---------------------------------------------------------------------------------

@@ -246,7 +246,7 @@ class MathVista(Workload):
         meta = {"pid": pid, "question_type": qtype, "answer_type": atype, "precision": precision,
                 "choices": choices, "answer": str(answer), "image": r.get("image")}
         return VisualSample(id=f"mathvista-{pid}", query=query.strip(), gold=gold, meta=meta,
-                            visual=lambda: VisualContent("image", images(), key=key))
+                            visual=lambda: VisualContent("image", images(), key=key), visual_key=key)
 
     def score(self, sample, output: str) -> tuple[str | None, bool]:
         meta = sample.meta

@@ -188,8 +188,8 @@ class VideoMME(Workload):
         if self.subjects:
             raise BenchError("--subjects applies only to the mmlu workload")
         if not self.data_path:
-            raise BenchError(f"videomme needs --data-path DIR holding the {REPO} videos "
-                             "(DIR/data/<videoID>.mp4 or DIR/frames/<videoID>/); see kvcmas_bench/workloads/videomme.py")
+            raise BenchError(f"videomme needs --data-path DIR holding the {REPO} videos (DIR/data/<videoID>.mp4 "
+                             "or DIR/frames/<videoID>/); see kvcmas_bench/workloads/videomme.py")
         root = Path(self.data_path).expanduser()
         if not root.is_dir():
             raise BenchError(f"Video-MME data folder not found: {self.data_path}")
@@ -244,16 +244,17 @@ class VideoMME(Workload):
         except (KeyError, TypeError, ValueError) as exc:
             raise BenchError(f"bad Video-MME row {i}: {exc}") from None
         n = self.frames
+        key = f"videomme:{vid}:{n}"
 
         def visual():
             path = found.get(vid)
             if path is None:
                 raise BenchError(f"Video-MME video {vid} not found under {root} (data/{vid}.mp4 or frames/{vid}/)")
-            return VisualContent("video", read_frames(path, n), key=f"videomme:{vid}:{n}")
+            return VisualContent("video", read_frames(path, n), key=key)
         meta = {"video_id": str(r.get("video_id", "")), "videoID": vid, "question_id": qid,
                 "duration": r.get("duration"), "domain": r.get("domain"), "sub_category": r.get("sub_category"),
                 "task_type": r.get("task_type")}
-        return VisualSample(id=f"videomme-{qid}", query=query, gold=gold, meta=meta, visual=visual)
+        return VisualSample(id=f"videomme-{qid}", query=query, gold=gold, meta=meta, visual=visual, visual_key=key)
 
     def score(self, sample, output: str) -> tuple[str | None, bool]:
         pred = extract_letter(output)
