@@ -102,6 +102,8 @@ def run(
     rank: Optional[int] = typer.Option(None, help="KVCMAS low-rank factor rank r (default 32)."),
     anchors: Optional[int] = typer.Option(None, help="Anchor pool size V (KVCMAS 10, KVComm 20)."),
     rho: Optional[float] = typer.Option(None, help="Target reuse ratio of CacheBlend/DroidSpeak/RelayCaching."),
+    anchor_dtype: Optional[str] = typer.Option(None, help="KVCMAS/KVComm anchor storage dtype (bfloat16 or "
+                                               "float32; default: the model's)."),
     target_reuse: Optional[float] = typer.Option(None, help="Pick tau on calibration samples to reach this "
                                                  "reuse ratio (KVCMAS/KVComm); the chosen tau is recorded."),
     topology: str = typer.Option("chain", help="Agent graph: chain, fan-out, fan-in or loop."),
@@ -119,7 +121,8 @@ def run(
                       max_new_tokens=max_new_tokens, final_max_new_tokens=final_max_new_tokens,
                       fidelity=fidelity, calib_samples=calib_samples, target_reuse=target_reuse,
                       topology=topology, agents=agents, rounds=rounds,
-                      method_args={"tau": tau, "rank": rank, "anchors": anchors, "rho": rho})
+                      method_args={"tau": tau, "rank": rank, "anchors": anchors, "rho": rho,
+                                   "anchor_dtype": anchor_dtype})
     progress = _Progress()
     try:
         summary = do_run(opts, progress=progress)

@@ -76,7 +76,7 @@ def weighted_lowrank(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch
     n, L, k, r = a.shape
     aw = (a * w[:, None, :, None].to(a.dtype)).permute(1, 2, 0, 3).reshape(L, k, n * r)
     bs = b.permute(1, 0, 2, 3).reshape(L, n * r, b.shape[-1])
-    return torch.bmm(aw, bs)
+    return torch.bmm(aw, bs).float()
 
 
 def effective_rank(z: torch.Tensor, energy: float = 0.9) -> float:
@@ -95,10 +95,10 @@ def token_sqdist(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, orthonormal:
     b ``[n, layers, r, D]``. Summing over tokens gives the gate distance of Eq. 9 squared.
     """
     n, L, k, r = a.shape
+    bcat = b.permute(1, 0, 2, 3).reshape(L, n * r, b.shape[-1])
+    xb = torch.bmm(x.to(b.dtype), bcat.transpose(1, 2)).float()  # the GEMM runs in the factors' dtype
     x = x.float()
-    bcat = b.float().permute(1, 0, 2, 3).reshape(L, n * r, b.shape[-1])
     acat = a.float().permute(1, 2, 0, 3).reshape(L, k, n * r)
-    xb = torch.bmm(x, bcat.transpose(1, 2))
     if orthonormal:
         quad_cross = (acat * (acat - 2 * xb)).view(L, k, n, r).sum(-1)
     else:

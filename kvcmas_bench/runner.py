@@ -99,6 +99,8 @@ def validate(opts: RunOptions) -> None:
             continue
         if k in ("rank", "anchors") and v < 1:
             raise BenchError(f"--{k} must be a positive integer, got {v}")
+        if k == "anchor_dtype" and v not in ("bfloat16", "float32", "float16"):
+            raise BenchError(f"--anchor-dtype must be bfloat16, float16 or float32, got {v!r}")
         if k in ("tau", "rho") and not 0.0 <= v <= 1.0:
             raise BenchError(f"--{k} must lie in [0, 1], got {v}")
     from .workflow import TOPOLOGIES

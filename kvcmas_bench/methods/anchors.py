@@ -23,11 +23,13 @@ class Factor:
     b: torch.Tensor | None = None
 
     @classmethod
-    def make(cls, z: torch.Tensor, rank: int | None) -> "Factor":
+    def make(cls, z: torch.Tensor, rank: int | None, dtype: torch.dtype | None = None) -> "Factor":
+        """Full copy (``rank=None``) or rank-``rank`` SVD factors, stored in ``dtype``."""
+        dtype = dtype or z.dtype
         if rank is None:
-            return cls(z.clone())
+            return cls(z.to(dtype, copy=True))
         a, b = truncated_svd(z, rank)
-        return cls(a, b)
+        return cls(a.to(dtype), b.to(dtype))
 
     @property
     def length(self) -> int:
@@ -84,16 +86,17 @@ class AnchorPool:
         return sorted((a.length for a in self.anchors if consumer in a.deltas), reverse=True)
 
     def add(self, source_key: tuple, base_k: torch.Tensor, base_v: torch.Tensor, consumer: str,
-            delta_k: torch.Tensor, delta_v: torch.Tensor, rank: int | None) -> Anchor:
+            delta_k: torch.Tensor, delta_v: torch.Tensor, rank: int | None,
+            dtype: torch.dtype | None = None) -> Anchor:
         """Insert the observed correction; an anchor built from the same source gains a consumer."""
-        dk, dv = Factor.make(delta_k, rank), Factor.make(delta_v, rank)
+        dk, dv = Factor.make(delta_k, rank, dtype), Factor.make(delta_v, rank, dtype)
         for a in self.anchors:
             if a.source_key == source_key:
                 a.deltas[consumer] = (dk, dv)
                 return a
         if len(self.anchors) >= self.capacity:
             self.evict()
-        anchor = Anchor(Factor.make(base_k, rank), Factor.make(base_v, rank), source_key, self.inserted,
+        anchor = Anchor(Factor.make(base_k, rank, dtype), Factor.make(base_v, rank, dtype), source_key, self.inserted,
                         {consumer: (dk, dv)})
         self.inserted += 1
         self.anchors.append(anchor)

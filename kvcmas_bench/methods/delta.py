@@ -46,6 +46,9 @@ class OnlineDeltaCorrection(Method):
     chained: bool = True
     exact_layer0: bool = False
     activation_top_p: float = 0.9
+    #: storage/GEMM dtype of anchor states: None = the model's dtype; "bfloat16" halves their
+    #: memory and runs the gate/weight/apply GEMMs in bf16 (reductions stay in float32)
+    anchor_dtype: str | None = None
     pools: dict[str, AnchorPool] = field(default_factory=dict, repr=False)
     stats: dict[str, int] = field(default_factory=dict, repr=False)
     entropies: list[tuple[float, int]] = field(default_factory=list, repr=False)
@@ -56,7 +59,7 @@ class OnlineDeltaCorrection(Method):
     def config(self) -> dict:
         return {"name": self.name, "anchors": self.anchors, "tau": self.tau, "rank": self.rank,
                 "temperature": self.temperature, "chained": self.chained, "exact_layer0": self.exact_layer0,
-                "activation_top_p": self.activation_top_p}
+                "activation_top_p": self.activation_top_p, "anchor_dtype": self.anchor_dtype}
 
     def _count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n
@@ -166,7 +169,7 @@ class OnlineDeltaCorrection(Method):
             else:
                 corr = sum(w[i][None, :, None].to(out.dtype) * d.rows(k) for i, d in enumerate(deltas))
             out[:, :k] += corr.to(out.dtype)
-        if not (torch.isfinite(out_k).all() and torch.isfinite(out_v).all()):
+        if not (torch.isfinite(out_k.sum()) and torch.isfinite(out_v.sum())):  # NaN/inf propagate
             return None
         heads = ctx.engine.n_kv
         kk = shift_keys(from_rows(out_k, heads), ctx.start, ctx.engine.inv_freq)
@@ -184,7 +187,8 @@ class OnlineDeltaCorrection(Method):
         """New anchor from a dense fallback: base = C_ref, Delta = C_j - align(C_ref) (canonical)."""
         ex_k = to_rows(canonical_keys(exact.k, exact.start, inv_freq))
         ex_v = to_rows(exact.v)
-        pool.add(source_key, ref_k, ref_v, consumer, ex_k - ref_k, ex_v - ref_v, self.rank)
+        dtype = getattr(torch, self.anchor_dtype) if self.anchor_dtype else None
+        pool.add(source_key, ref_k, ref_v, consumer, ex_k - ref_k, ex_v - ref_v, self.rank, dtype)
         self._count("anchors_inserted")
 
     def state_bytes(self) -> int:
