@@ -49,8 +49,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .calibration import Observation, Recorder
-from .engine import Engine, Request, Segment, SegmentContext, SegmentKV
+from .engine import Engine, Request, Segment, SegmentKV
 from .errors import BenchError
 from .modeling import LoadedModel, check_supported, resolve_device, resolve_dtype
 from .workflow import _MARK, AgentStep, Node, SampleRun, SharedRef, Workflow, out_slot, render_segments
@@ -465,33 +464,6 @@ class VLMWorkflow(Workflow):
             text = self.tok.decode(res.output_ids, skip_special_tokens=True)
             run.steps.append(AgentStep(node.role, res, text, req))
         return run
-
-
-# ---- calibration -------------------------------------------------------------------------------
-
-@dataclass
-class VisualRecorder(Recorder):
-    """:class:`Recorder` whose context-free reference of an embeddings segment is prefilled from
-    its embeddings (``Recorder`` prefills ``segment.ids``, i.e. the placeholder token's embedding)."""
-
-    def materialize(self, ctx: SegmentContext) -> SegmentKV:
-        kv = ctx.dense()
-        if ctx.source is not None:
-            ref = (ctx.engine.prefill_alone(ctx.segment.ids, slot=ctx.slot, embeds=ctx.segment.embeds)
-                   if self.with_reference else None)
-            self.observations.append(Observation(
-                slot=ctx.slot, agent=ctx.agent, source_agent=ctx.source.agent or "", start=ctx.start,
-                source=ctx.aligned_source(), exact=kv, reference=ref, inv_freq=ctx.engine.inv_freq))
-        return kv
-
-
-def collect(flow_factory, samples, with_reference: bool = False) -> list[Observation]:
-    """:func:`kvcmas_bench.calibration.collect` with a :class:`VisualRecorder`."""
-    rec = VisualRecorder(with_reference=with_reference)
-    flow = flow_factory(rec)
-    for s in samples:
-        flow.run_sample(s)
-    return rec.observations
 
 
 def is_visual(workload) -> bool:

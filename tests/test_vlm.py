@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from kvcmas_bench.calibration import collect
 from kvcmas_bench import vlm
 from kvcmas_bench.engine import Engine
 from kvcmas_bench.errors import BenchError
@@ -236,7 +237,7 @@ def test_every_method_runs_on_vlm_path(lv, engine, name):
     # tau = 1: once the anchor pool is filled, the gate accepts, so the corrected path runs too
     method = get_method(name, **({"tau": 1.0} if "tau" in {f.name for f in fields(METHODS[name])} else {}))
     if method.needs_calibration:
-        obs = vlm.collect(lambda m: _flow(engine, lv, m, max_new_tokens=2, final_max_new_tokens=2),
+        obs = collect(lambda m: _flow(engine, lv, m, max_new_tokens=2, final_max_new_tokens=2),
                           [image_sample(9)], with_reference=method.calibration_reference)
         assert any(o.slot == "image" for o in obs)
         method.calibrate(obs, engine.n_layers)
@@ -259,7 +260,7 @@ def test_every_method_runs_on_vlm_path(lv, engine, name):
 
 
 def test_visual_recorder_reference_uses_embeddings(lv, engine):
-    obs = vlm.collect(lambda m: _flow(engine, lv, m, agents=2, max_new_tokens=2), [image_sample(5)],
+    obs = collect(lambda m: _flow(engine, lv, m, agents=2, max_new_tokens=2), [image_sample(5)],
                       with_reference=True)
     ob = next(o for o in obs if o.slot == "image")
     flow = _flow(engine, lv, get_method("nonshared"), agents=2)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..lowrank import lowrank_sqdist, truncated_svd
+from ..lowrank import truncated_svd
 
 
 @dataclass(eq=False)
@@ -43,13 +43,6 @@ class Factor:
     def rows(self, k: int) -> torch.Tensor:
         """Reconstruction of the first ``k`` rows, ``[layers, k, D]``."""
         return self.a[:, :k] if self.b is None else torch.bmm(self.a[:, :k], self.b)
-
-    def sqdist(self, x: torch.Tensor) -> torch.Tensor:
-        """``sum_layers ||x - Z[:k]||_F^2`` for ``x`` of ``k`` rows."""
-        k = x.shape[1]
-        if self.b is None:
-            return (x.float() - self.a[:, :k].float()).square().sum()
-        return lowrank_sqdist(x, self.a[:, :k], self.b)
 
 
 @dataclass(eq=False)

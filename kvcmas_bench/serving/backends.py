@@ -1,7 +1,7 @@
 """Backends that execute trace requests and report measured service times.
 
 :class:`InProcessBackend` runs every request on the package's own :class:`~kvcmas_bench.engine.Engine`,
-one request at a time, sources chained as in :class:`~kvcmas_bench.workflow.ChainWorkflow`: the
+one request at a time, sources chained as in :class:`~kvcmas_bench.workflow.Workflow` (chain): the
 source of a shared slot is the cache that the most recent agent of the same trajectory materialized
 for it (so ``ctx`` chains agent 0 -> 1 -> 2 -> 3) and the source of ``out:<agent k>`` is agent
 ``k``'s decode cache of its output (``output_kv``). The first agent has no source and prefills

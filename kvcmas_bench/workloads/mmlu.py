@@ -45,20 +45,21 @@ def format_question(question: str, choices: list[str]) -> str:
     return f"{question.strip()}\n{opts}"
 
 
+_I, _M = re.IGNORECASE, re.MULTILINE
+# (pattern, flags), most confident first; bare capital letters only as the last resort
 _PATTERNS = [
-    r"answer\s*(?:is|:)?\s*[:\-]?\s*\(?\**([ABCD])\b",
-    r"^\s*\(?\**([ABCD])[\).:\s]",
-    r"\boption\s*\(?([ABCD])\b",
-    r"\(([ABCD])\)",
-    r"\b([ABCD])\b",
+    (r"answer\s*(?:is|:)?\s*[:\-]?\s*\(?\**([ABCD])\b", _I | _M),
+    (r"^\s*\(?\**([ABCD])[\).:\s]", _M),
+    (r"\boption\s*\(?([ABCD])\b", _I | _M),
+    (r"\(([ABCD])\)", _M),
+    (r"\b([ABCD])\b", _M),
 ]
 
 
 def extract_letter(text: str) -> str | None:
     """First confident A-D letter in a model answer; None when there is none."""
-    for pat in _PATTERNS:
-        m = re.search(pat, text, flags=re.IGNORECASE | re.MULTILINE) if pat.startswith("answer") or pat.startswith(r"\boption") \
-            else re.search(pat, text, flags=re.MULTILINE)
+    for pat, flags in _PATTERNS:
+        m = re.search(pat, text, flags=flags)
         if m:
             return m.group(1).upper()
     return None
