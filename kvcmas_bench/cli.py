@@ -272,7 +272,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         _fail(str(exc))
     except click_exc.ClickException as exc:
         _fail(" ".join(exc.format_message().split()))
-    except (KeyboardInterrupt, click_exc.Abort):
+    except (KeyboardInterrupt, getattr(click_exc, "Abort", KeyboardInterrupt)):
         sys.stderr.write("\ninterrupted: finished samples are saved; run the same command again to resume\n")
         sys.exit(130)
     sys.exit(rc if isinstance(rc, int) else 0)

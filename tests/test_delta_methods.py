@@ -217,3 +217,20 @@ def test_token_sqdist_matches_reconstruction():
     ref2 = torch.stack([(x - torch.bmm(fa[v], fb[v])).square().sum(dim=(0, 2)) for v in range(3)])
     assert torch.allclose(token_sqdist(x, fa, fb), ref2, rtol=1e-4, atol=1e-3)
     assert torch.allclose(got.sum(1), torch.stack([lowrank_sqdist(x, a[v], b[v]) for v in range(3)]), rtol=1e-4)
+
+
+def test_anchors_of_different_ranks_are_gated_and_applied_together(engine):
+    """Short segments give factors with fewer than ``rank`` components; they stack zero-padded."""
+    m = get_method("kvcmas", tau=1.0, rank=8)
+    pool = AnchorPool(10)
+    torch.manual_seed(4)
+    for i, S in enumerate((5, 12, 20)):  # ranks 5, 8, 8
+        z = torch.randn(2, S, 16)
+        pool.add(("src", i), z, z, "B", z * 0.1, z * 0.1, 8)
+    m.pools["q"] = pool
+    assert [a.base_v.a.shape[-1] for a in pool.anchors] == [5, 8, 8]
+    x = torch.randn(2, 5, 16)
+    dec = m.gate(pool, "B", x, 5)
+    assert dec is not None and dec.k == 5 and len(dec.anchors) == 3
+    ref = torch.stack([(x - a.base_v.rows(5)).square().sum(dim=(0, 2)) for a in pool.anchors])
+    assert torch.allclose(dec.sqdist_v, ref, rtol=1e-4, atol=1e-3)

@@ -26,6 +26,18 @@ from .anchors import Anchor, AnchorPool
 from .base import Method
 
 
+def stack_factors(factors: list, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack low-rank factors' first ``k`` rows: A ``[n, L, k, r]`` and B ``[n, L, r, D]``.
+
+    Anchors of segments shorter than the rank hold fewer components; they are zero-padded to the
+    largest rank (zero columns of A meet zero rows of B, so every product is unchanged).
+    """
+    r = max(f.a.shape[-1] for f in factors)
+    a = torch.stack([torch.nn.functional.pad(f.a[:, :k], (0, r - f.a.shape[-1])) for f in factors])
+    b = torch.stack([torch.nn.functional.pad(f.b, (0, 0, 0, r - f.b.shape[-2])) for f in factors])
+    return a, b
+
+
 @dataclass
 class GateDecision:
     anchors: list[Anchor]
@@ -136,7 +148,7 @@ class OnlineDeltaCorrection(Method):
         """``[n, k]`` squared distance of every token to each anchor base, summed over layers."""
         k = x.shape[1]
         if all(b.b is not None for b in bases):
-            return token_sqdist(x, torch.stack([b.a[:, :k] for b in bases]), torch.stack([b.b for b in bases]))
+            return token_sqdist(x, *stack_factors(bases, k))
         return torch.stack([(x.float() - b.rows(k).float()).square().sum(dim=(0, 2)) for b in bases])
 
     def token_distance(self, x: torch.Tensor, bases: list, sqdist: torch.Tensor | None) -> torch.Tensor:
@@ -164,8 +176,7 @@ class OnlineDeltaCorrection(Method):
             sq = dec.sqdist_v if part == "v" else None
             w = token_weights(self.token_distance(ref_rows[:, :k], bases, sq), self.temperature)
             if all(d.b is not None for d in deltas):
-                corr = weighted_lowrank(w, torch.stack([d.a[:, :k] for d in deltas]),
-                                        torch.stack([d.b for d in deltas]))
+                corr = weighted_lowrank(w, *stack_factors(deltas, k))
             else:
                 corr = sum(w[i][None, :, None].to(out.dtype) * d.rows(k) for i, d in enumerate(deltas))
             out[:, :k] += corr.to(out.dtype)
