@@ -49,10 +49,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .engine import Engine, Request, Segment, SegmentKV
+from .engine import Engine, Segment, SegmentKV
 from .errors import BenchError
 from .modeling import LoadedModel, check_supported, resolve_device, resolve_dtype
-from .workflow import _MARK, AgentStep, Node, SampleRun, SharedRef, Workflow, out_slot, render_segments
+from .workflow import _MARK, Node, SampleRun, SharedRef, Workflow, render_segments
 from .workloads.base import Sample
 
 #: LLaVA-OneVision's video setting in the paper (Appendix B.1)
@@ -439,31 +439,11 @@ class VLMWorkflow(Workflow):
         visual = self.visual_input(sample)
         shared_ids = {"q": self.tok(sample.query, add_special_tokens=False)["input_ids"],
                       visual.kind: list(visual.ids)}
-        store: dict[str, list[tuple[int, SegmentKV]]] = {}
         run = SampleRun(sample)
         # once per sample, outside every agent's TTFT: kind, visual tokens, vision-encoder seconds
         run.visual = {"kind": visual.kind, "tokens": visual.tokens,  # type: ignore[attr-defined]
                       "encode_s": visual.encode_s}
-        for idx, node in enumerate(self.nodes):
-            sources: dict[str, SegmentKV] = {}
-            for slot, hist in store.items():
-                for producer, kv in reversed(hist):
-                    if producer in node.ancestors:
-                        sources[slot] = kv
-                        break
-            segs = self.segments(node, visual, shared_ids, sources)
-            req = Request(node.role.name, segs, self.final_max_new if node.final else self.max_new)
-            res = self.engine.run(req, self.method, sources=sources, fidelity=self.fidelity)
-            for slot, kv in res.materialized.items():
-                store.setdefault(slot, []).append((idx, kv))
-            if res.output_kv is not None:
-                res.output_kv.slot = out_slot(node)
-                store.setdefault(out_slot(node), []).append((idx, res.output_kv))
-            shared_ids[out_slot(node)] = list(res.output_ids)
-            res.shared_store_bytes = sum(kv.nbytes for h in store.values() for _, kv in h)  # type: ignore[attr-defined]
-            text = self.tok.decode(res.output_ids, skip_special_tokens=True)
-            run.steps.append(AgentStep(node.role, res, text, req))
-        return run
+        return self.execute(run, shared_ids, lambda node, sources: self.segments(node, visual, shared_ids, sources))
 
 
 def is_visual(workload) -> bool:

@@ -190,9 +190,14 @@ class Workflow:
 
     def run_sample(self, sample: Sample) -> SampleRun:
         shared_ids = {"q": self.tok(sample.query, add_special_tokens=False)["input_ids"]}
+        return self.execute(SampleRun(sample), shared_ids, lambda node, sources: render_segments(
+            self.tok, node.role.system, self.user_parts(node), shared_ids,
+            {slot: kv.agent for slot, kv in sources.items()}))
+
+    def execute(self, run: SampleRun, shared_ids: dict[str, list[int]], build) -> SampleRun:
+        """Run every node in order; ``build(node, sources)`` returns the node's segments."""
         # slot -> list of (node index, cache) in materialization order
         store: dict[str, list[tuple[int, SegmentKV]]] = {}
-        run = SampleRun(sample)
         for idx, node in enumerate(self.nodes):
             sources: dict[str, SegmentKV] = {}
             for slot, hist in store.items():
@@ -200,9 +205,7 @@ class Workflow:
                     if producer in node.ancestors:
                         sources[slot] = kv
                         break
-            segs = render_segments(self.tok, node.role.system, self.user_parts(node), shared_ids,
-                                   {slot: kv.agent for slot, kv in sources.items()})
-            req = Request(node.role.name, segs, self.final_max_new if node.final else self.max_new)
+            req = Request(node.role.name, build(node, sources), self.final_max_new if node.final else self.max_new)
             res = self.engine.run(req, self.method, sources=sources, fidelity=self.fidelity)
             for slot, kv in res.materialized.items():
                 store.setdefault(slot, []).append((idx, kv))
