@@ -146,22 +146,20 @@ def run(opts: RunOptions, progress=None) -> dict:
         return Workflow(engine, m, workload, opts.max_new_tokens, opts.final_max_new_tokens, **kw)
 
     flow = make_flow(method, opts.fidelity)
-    calib_ids: list[str] = []
-    if method.needs_calibration:
-        from .calibration import collect
-
+    calib: list = []
+    if method.needs_calibration or opts.target_reuse is not None:
         calib = calibration_samples(all_samples, {s.id for s in samples}, opts.calib_samples, opts.seed)
         if not calib:
             raise BenchError("no calibration samples left outside the evaluated ones; lower --limit")
-        calib_ids = [s.id for s in calib]
+    if method.needs_calibration:
+        from .calibration import collect
+
         obs = collect(make_flow, calib, with_reference=method.calibration_reference)
         method.calibrate(obs, engine.n_layers)
     chosen_tau = None
     if opts.target_reuse is not None:
         if not hasattr(method, "tau"):
             raise BenchError(f"--target-reuse applies to methods with a gate threshold, not {opts.method!r}")
-        calib = calibration_samples(all_samples, {s.id for s in samples}, opts.calib_samples, opts.seed)
-        calib_ids = [s.id for s in calib]
         method, chosen_tau = auto_tau(method, make_flow, calib, opts.target_reuse)
         flow = make_flow(method, opts.fidelity)
     config = {
@@ -169,7 +167,7 @@ def run(opts: RunOptions, progress=None) -> dict:
         "model": lm.name, "model_source": lm.source, "dtype": opts.dtype, "device": str(device),
         "seed": opts.seed, "limit": opts.limit, "subjects": opts.subjects, "data_path": opts.data_path,
         "max_new_tokens": flow.max_new, "final_max_new_tokens": flow.final_max_new,
-        "fidelity": opts.fidelity, "topology": opts.topology, "n_agents": flow.n_agents, "rounds": opts.rounds, "calibration_samples": calib_ids,
+        "fidelity": opts.fidelity, "topology": opts.topology, "n_agents": flow.n_agents, "rounds": opts.rounds, "calibration_samples": [s.id for s in calib],
         "target_reuse": opts.target_reuse, "auto_tau": chosen_tau, "agents": [r.name for r, _ in flow.agents()],
         "prefix_caching": False, "decoding": "greedy", "engine": "in-process (one request at a time)",
         "versions": _versions(), "git_revision": _git_revision(), "hardware": hardware(device),

@@ -52,6 +52,17 @@ def engine(llama):
     return Engine(llama)
 
 
+def run_cli(args: list[str]) -> int:
+    """Run the CLI in-process; its exit code (0 when it returns normally)."""
+    from kvcmas_bench.cli import main
+
+    try:
+        main(args)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
 def rand_ids(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()

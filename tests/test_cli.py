@@ -9,15 +9,8 @@ import sys
 import pytest
 
 from kvcmas_bench import runner
-from kvcmas_bench.cli import main
 
-
-def _run(args: list[str]) -> int:
-    try:
-        main(args)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
+from .conftest import run_cli as _run
 
 
 def _lines(path) -> list[dict]:

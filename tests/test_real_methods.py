@@ -6,15 +6,7 @@ import json
 
 import pytest
 
-from kvcmas_bench.cli import main
-
-
-def _run(args: list[str]) -> int:
-    try:
-        main(args)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    return 0
+from .conftest import run_cli as _run
 
 
 def _fid(tmp_path, method: str, extra: list[str] = (), limit: int = 4) -> dict:

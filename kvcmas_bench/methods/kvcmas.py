@@ -36,10 +36,7 @@ class KVCMAS(OnlineDeltaCorrection):
 
 @register
 @dataclass
-class KVCMASNonChained(OnlineDeltaCorrection):
+class KVCMASNonChained(KVCMAS):
     name = "kvcmas-nonchained"
     summary = "KVCMAS ablation: low-rank anchors relative to a context-free reference"
-    anchors: int = 10
-    rank: int | None = 32
-    tau: float = 0.3
     chained: bool = False
