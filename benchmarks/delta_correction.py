@@ -20,13 +20,13 @@ import argparse
 import statistics
 
 import torch
-
 from common import prefix, shared_ids
+
 from kvcmas_bench.engine import Engine, Request, Segment, SegmentContext
-from kvcmas_bench.lowrank import canonical_keys, to_rows
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import Anchor, AnchorPool, Factor
 from kvcmas_bench.modeling import load_model
+from kvcmas_bench.ops.lowrank import canonical_keys, to_rows
 
 
 def dense_segment(engine: Engine, pre: list[int], seg: list[int]):
@@ -43,9 +43,15 @@ def fill_pool(method, slot: str, consumer: str, base_k, base_v, dk, dv, n: int, 
     first = pool.add(("real",), base_k, base_v, consumer, dk, dv, rank, dtype)
     for i in range(1, n):
         noise = 1.0 + 0.01 * i
-        pool.anchors.append(Anchor(
-            Factor(first.base_k.a * noise, first.base_k.b), Factor(first.base_v.a * noise, first.base_v.b),
-            ("copy", i), i, {consumer: first.deltas[consumer]}))
+        pool.anchors.append(
+            Anchor(
+                Factor(first.base_k.a * noise, first.base_k.b),
+                Factor(first.base_v.a * noise, first.base_v.b),
+                ("copy", i),
+                i,
+                {consumer: first.deltas[consumer]},
+            )
+        )
     method.pools[slot] = pool
     return pool
 
@@ -64,10 +70,14 @@ def main() -> None:
     seg_all = shared_ids(lm.tokenizer, max(lengths))
     pre_a, pre_b = prefix(lm.tokenizer, "planner"), prefix(lm.tokenizer, "critic")
     inv = engine.inv_freq
-    print(f"model {lm.name}: layers {engine.n_layers}, D = kv_heads*head_dim = {engine.n_kv * engine.head_dim}, "
-          f"device {engine.device}, dtype {engine.dtype}")
-    print(f"{'tokens':>7} {'KVCMAS anchor':>14} {'KVComm anchor':>14} {'KVCMAS pool V=10':>17} "
-          f"{'KVComm pool V=20':>17} {'ratio':>7}")
+    print(
+        f"model {lm.name}: layers {engine.n_layers}, D = kv_heads*head_dim = {engine.n_kv * engine.head_dim}, "
+        f"device {engine.device}, dtype {engine.dtype}"
+    )
+    print(
+        f"{'tokens':>7} {'KVCMAS anchor':>14} {'KVComm anchor':>14} {'KVCMAS pool V=10':>17} "
+        f"{'KVComm pool V=20':>17} {'ratio':>7}"
+    )
     last = None
     for n in lengths:
         seg = seg_all[:n]
@@ -79,8 +89,10 @@ def main() -> None:
         dv = to_rows(kv_b.v) - base_v
         low = AnchorPool(10).add(("x",), base_k, base_v, "B", dk, dv, 32).nbytes
         full = AnchorPool(20).add(("x",), base_k, base_v, "B", dk, dv, None).nbytes
-        print(f"{n:>7} {low / 2**20:>11.1f} MiB {full / 2**20:>11.1f} MiB {10 * low / 2**20:>14.1f} MiB "
-              f"{20 * full / 2**20:>14.1f} MiB {20 * full / (10 * low):>6.1f}x")
+        print(
+            f"{n:>7} {low / 2**20:>11.1f} MiB {full / 2**20:>11.1f} MiB {10 * low / 2**20:>14.1f} MiB "
+            f"{20 * full / 2**20:>14.1f} MiB {20 * full / (10 * low):>6.1f}x"
+        )
         last = (n, seg, kv_a, base_k, base_v, dk, dv, t_dense, cache_b)
     n, seg, kv_a, base_k, base_v, dk, dv, _, cache_b = last
     req = Request("B", [Segment("PF", pre_b), Segment("PH", seg, slot="q", source="A"), Segment("PF", [1])], 1)
@@ -89,8 +101,10 @@ def main() -> None:
         _, t, _ = dense_segment(engine, pre_b, seg)
         dense_t.append(t)
     d = statistics.median(dense_t)
-    print(f"\ncorrection of a {n}-token segment (V=10, r=32, all {engine.n_layers} layers, accepted) vs its dense "
-          f"prefill over the same prefix: median {d:.3f} s")
+    print(
+        f"\ncorrection of a {n}-token segment (V=10, r=32, all {engine.n_layers} layers, accepted) vs its dense "
+        f"prefill over the same prefix: median {d:.3f} s"
+    )
     for dtype in (None, "bfloat16"):
         m = get_method("kvcmas", tau=1.0, anchor_dtype=dtype)
         pool = fill_pool(m, "q", "B", base_k, base_v, dk, dv, 10, 32, getattr(torch, dtype) if dtype else None)
@@ -102,8 +116,10 @@ def main() -> None:
             corr_t.append(engine.now() - t0)
             assert out.status == "corrected", out.status
         c = statistics.median(corr_t)
-        print(f"  anchors in {dtype or str(engine.dtype).replace('torch.', '')}: {c:.3f} s = {100 * c / d:.1f}% "
-              f"of dense (goal <= 10%); pool of 10 anchors {pool.nbytes / 2**20:.1f} MiB")
+        print(
+            f"  anchors in {dtype or str(engine.dtype).replace('torch.', '')}: {c:.3f} s = {100 * c / d:.1f}% "
+            f"of dense (goal <= 10%); pool of 10 anchors {pool.nbytes / 2**20:.1f} MiB"
+        )
 
 
 if __name__ == "__main__":

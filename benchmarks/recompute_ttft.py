@@ -15,8 +15,8 @@ import argparse
 import statistics
 
 import torch
-
 from common import prefix, shared_ids
+
 from kvcmas_bench.calibration import Recorder
 from kvcmas_bench.engine import Engine, Request, Segment
 from kvcmas_bench.methods import get_method
@@ -26,8 +26,9 @@ from kvcmas_bench.modeling import load_model
 def requests(tok, seg: list[int]) -> tuple[Request, Request]:
     tail = tok("\n\nAnswer briefly.<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     a = Request("A", [Segment("PF", prefix(tok, "planner")), Segment("PH", seg, slot="ctx"), Segment("PF", tail)], 1)
-    b = Request("B", [Segment("PF", prefix(tok, "critic")), Segment("PH", seg, slot="ctx", source="A"),
-                      Segment("PF", tail)], 1)
+    b = Request(
+        "B", [Segment("PF", prefix(tok, "critic")), Segment("PH", seg, slot="ctx", source="A"), Segment("PF", tail)], 1
+    )
     return a, b
 
 
@@ -51,10 +52,16 @@ def main() -> None:
     ra, rb = requests(tok, shared_ids(tok, args.shared_tokens))
     # DroidSpeak/RelayCaching enter from the source's hidden states: prefill A keeping them
     configs = [("nonshared", {}), ("fullshared", {})] + [
-        (m, {"rho": rho}) for rho in (0.9, 0.8) for m in ("cacheblend", "droidspeak", "relaycaching")]
-    print(f"model {lm.name}, device {engine.device}, shared tokens {args.shared_tokens}, "
-          f"B prompt {len(rb.prompt_ids)} tokens, median of {args.repeats}")
-    print(f"{'method':<14} {'rho':>5} {'TTFT (s)':>9} {'vs NonShared':>13} {'recomputed token-layers':>24} {'rho measured':>13}")
+        (m, {"rho": rho}) for rho in (0.9, 0.8) for m in ("cacheblend", "droidspeak", "relaycaching")
+    ]
+    print(
+        f"model {lm.name}, device {engine.device}, shared tokens {args.shared_tokens}, "
+        f"B prompt {len(rb.prompt_ids)} tokens, median of {args.repeats}"
+    )
+    print(
+        f"{'method':<14} {'rho':>5} {'TTFT (s)':>9} {'vs NonShared':>13} "
+        f"{'recomputed token-layers':>24} {'rho measured':>13}"
+    )
     base = None
     for name, kw in configs:
         m = get_method(name, **kw)
@@ -69,8 +76,10 @@ def main() -> None:
         base = base or t
         eligible = res.eligible_tokens * engine.n_layers
         rho_m = (res.reused_tokens * engine.n_layers - res.recomputed_token_layers) / eligible if eligible else 0.0
-        print(f"{name:<14} {kw.get('rho', '-'):>5} {t:>9.3f} {t / base:>12.2f}x {res.recomputed_token_layers:>24} "
-              f"{rho_m:>13.3f}")
+        print(
+            f"{name:<14} {kw.get('rho', '-'):>5} {t:>9.3f} {t / base:>12.2f}x {res.recomputed_token_layers:>24} "
+            f"{rho_m:>13.3f}"
+        )
 
 
 if __name__ == "__main__":

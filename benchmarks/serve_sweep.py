@@ -29,23 +29,35 @@ UTILIZATIONS = "0.25,0.5,0.75,0.9,1.0"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shared-tokens", type=int, default=2048, help="non-generated shared context (default 2048)")
     ap.add_argument("--trajectories", type=int, default=4, help="evaluated trajectories (default 4)")
     ap.add_argument("--output-tokens", type=int, default=32, help="tokens generated per agent (default 32)")
-    ap.add_argument("--calib-trajectories", type=int, default=2,
-                    help="held-out trajectories for calibration and warm-up (default 2)")
+    ap.add_argument(
+        "--calib-trajectories",
+        type=int,
+        default=2,
+        help="held-out trajectories for calibration and warm-up (default 2)",
+    )
     ap.add_argument("--methods", default=METHODS, help=f"comma-separated (default {METHODS})")
-    ap.add_argument("--utilizations", default=UTILIZATIONS,
-                    help="NonShared offered utilizations to sweep, QPS = u / NonShared trajectory service time; "
-                         f"values >= 1 end the sweep (default {UTILIZATIONS})")
+    ap.add_argument(
+        "--utilizations",
+        default=UTILIZATIONS,
+        help="NonShared offered utilizations to sweep, QPS = u / NonShared trajectory service time; "
+        f"values >= 1 end the sweep (default {UTILIZATIONS})",
+    )
     ap.add_argument("--model", default=None, help="model (default: packaged SmolLM2-135M-Instruct)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: on a busy 2-core machine 2 threads spin against "
-                         "each other and run many times slower; 0 = torch default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a busy 2-core machine 2 threads spin against "
+        "each other and run many times slower; 0 = torch default)",
+    )
     ap.add_argument("--burstiness", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-path", "-o", default="runs/serve-sweep-bench")
@@ -56,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from kvcmas_bench.errors import BenchError
-    from kvcmas_bench.serving import evaluate_service, serve_sweep
+    from kvcmas_bench.jobs.sweep import evaluate_service, serve_sweep
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -64,11 +76,23 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     t0 = time.perf_counter()
     try:
-        single = serve_sweep(methods, [0], [args.shared_tokens], args.trajectories, args.output_path,
-                             model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
-                             burstiness=args.burstiness, output_tokens=args.output_tokens,
-                             calib_trajectories=args.calib_trajectories, plots=False, console=console,
-                             show_table=False)
+        single = serve_sweep(
+            methods,
+            [0],
+            [args.shared_tokens],
+            args.trajectories,
+            args.output_path,
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            seed=args.seed,
+            burstiness=args.burstiness,
+            output_tokens=args.output_tokens,
+            calib_trajectories=args.calib_trajectories,
+            plots=False,
+            console=console,
+            show_table=False,
+        )
     except BenchError as exc:
         print(f"serve_sweep: error: {exc}", file=sys.stderr)
         return 2
@@ -88,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         grid.append(1.0 / t_ns * (1 + 1e-9))
     summary = evaluate_service(args.output_path, [0.0] + grid, console=None)
 
-    table = Table(title=f"p50 / p90 TTFT (s) at {args.shared_tokens} shared tokens, {args.trajectories} trajectories, "
-                        f"{args.output_tokens} output tokens; one-request-at-a-time FCFS server")
+    table = Table(
+        title=f"p50 / p90 TTFT (s) at {args.shared_tokens} shared tokens, {args.trajectories} trajectories, "
+        f"{args.output_tokens} output tokens; one-request-at-a-time FCFS server"
+    )
     table.add_column("QPS (traj/s)", justify="right")
     table.add_column("NonShared util", justify="right")
     for m in methods:
@@ -106,28 +132,38 @@ def main(argv: list[str] | None = None) -> int:
         svc.add_column(col, justify="right" if col != "method" else "left")
     for m in methods:
         r = by[(m, 0.0)]
-        svc.add_row(m, f"{r['service_ttft_mean_s']:.3f}", f"{r['service_e2e_mean_s']:.3f}",
-                    f"{r['trajectory_service_mean_s']:.3f}",
-                    "-" if r["reuse_ratio"] is None else f"{r['reuse_ratio']:.2f}",
-                    f"{(r['peak_mem_bytes'] or 0) / 2**20:.0f}", f"{r['kv_state_peak_bytes'] / 2**20:.1f}")
+        svc.add_row(
+            m,
+            f"{r['service_ttft_mean_s']:.3f}",
+            f"{r['service_e2e_mean_s']:.3f}",
+            f"{r['trajectory_service_mean_s']:.3f}",
+            "-" if r["reuse_ratio"] is None else f"{r['reuse_ratio']:.2f}",
+            f"{(r['peak_mem_bytes'] or 0) / 2**20:.0f}",
+            f"{r['kv_state_peak_bytes'] / 2**20:.1f}",
+        )
     console.print(svc)
 
     sustained = [q for q in qps_all if q > 0 and not by[("nonshared", q)]["saturated"]]
     if "kvcmas" in methods and sustained:
         q = max(sustained)
         k = by[("kvcmas", q)]
-        console.print(f"KVCMAS TTFT speedup (other / KVCMAS) at QPS {q:.3g}, the highest NonShared sustains "
-                      f"(utilization {by[('nonshared', q)]['utilization']:.2f}):")
+        console.print(
+            f"KVCMAS TTFT speedup (other / KVCMAS) at QPS {q:.3g}, the highest NonShared sustains "
+            f"(utilization {by[('nonshared', q)]['utilization']:.2f}):"
+        )
         for m in methods:
             if m == "kvcmas":
                 continue
             o = by[(m, q)]
-            console.print(f"  vs {m:<12} p50 {o['ttft_p50_s'] / k['ttft_p50_s']:.2f}x   "
-                          f"p90 {o['ttft_p90_s'] / k['ttft_p90_s']:.2f}x")
+            console.print(
+                f"  vs {m:<12} p50 {o['ttft_p50_s'] / k['ttft_p50_s']:.2f}x   "
+                f"p90 {o['ttft_p90_s'] / k['ttft_p90_s']:.2f}x"
+            )
     elif "kvcmas" in methods:
         console.print("no QPS below NonShared saturation in the grid; lower --utilizations")
-    console.print(f"[dim]measurement {measured_s:.0f} s; results in {args.output_path}/ "
-                  f"({', '.join(summary['plots'])})[/dim]")
+    console.print(
+        f"[dim]measurement {measured_s:.0f} s; results in {args.output_path}/ ({', '.join(summary['plots'])})[/dim]"
+    )
     return 0
 
 

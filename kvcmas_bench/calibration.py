@@ -6,12 +6,13 @@ their state from these observations. Calibration samples are always disjoint fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .engine import SegmentContext, SegmentKV
-from .methods.base import Method
+from .errors import BenchError
+from .methods.base import Method, state
 
 
 @dataclass
@@ -32,25 +33,38 @@ class Recorder(Method):
 
     name = "_recorder"
     with_reference: bool = False
-    observations: list[Observation] = field(default_factory=list)
+    observations: list[Observation] = state(default_factory=list)
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
         kv = ctx.dense()
         if ctx.source is not None:
-            ref = (ctx.engine.prefill_alone(ctx.segment.ids, slot=ctx.slot, embeds=ctx.segment.embeds)
-                   if self.with_reference else None)
-            self.observations.append(Observation(
-                slot=ctx.slot, agent=ctx.agent, source_agent=ctx.source.agent or "", start=ctx.start,
-                source=ctx.aligned_source(), exact=kv, reference=ref, inv_freq=ctx.engine.inv_freq))
+            ref = (
+                ctx.engine.prefill_alone(ctx.segment.ids, slot=ctx.slot, embeds=ctx.segment.embeds)
+                if self.with_reference
+                else None
+            )
+            self.observations.append(
+                Observation(
+                    slot=ctx.slot,
+                    agent=ctx.agent,
+                    source_agent=ctx.source.agent or "",
+                    start=ctx.start,
+                    source=ctx.aligned_source(),
+                    exact=kv,
+                    reference=ref,
+                    inv_freq=ctx.engine.inv_freq,
+                )
+            )
         return kv
 
 
-def collect(flow_factory, samples, with_reference: bool = False) -> list[Observation]:
-    """Run ``samples`` through a workflow built by ``flow_factory(method)`` with a Recorder."""
+def collect(flow_factory, units, with_reference: bool = False) -> list[Observation]:
+    """Run ``units`` (samples or serving trajectories) through the flow ``flow_factory(method)``
+    builds, with a :class:`Recorder` as the method: the one calibration collector of every job."""
     rec = Recorder(with_reference=with_reference)
     flow = flow_factory(rec)
-    for s in samples:
-        flow.run_sample(s)
+    for u in units:
+        flow.run_unit(u)
     return rec.observations
 
 
@@ -62,10 +76,10 @@ class ImportanceRecorder(Recorder):
 
     name = "_importance_recorder"
     check_layer: int = 1
-    importance: list = field(default_factory=list)
+    importance: list = state(default_factory=list)
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
-        from .methods.selection import attention_mass
+        from .ops.selection import attention_mass
 
         if ctx.source is None:
             return ctx.dense()
@@ -78,8 +92,46 @@ class ImportanceRecorder(Recorder):
         ctx.forward(ctx.embed(), range(ctx.length), range(ctx.engine.n_layers), attn_probe=probe, count=False)
         kv = ctx.current("exact")
         ctx.prefilled += ctx.length
-        self.observations.append(Observation(
-            slot=ctx.slot, agent=ctx.agent, source_agent=ctx.source.agent or "", start=ctx.start,
-            source=ctx.aligned_source(), exact=kv, inv_freq=ctx.engine.inv_freq))
+        self.observations.append(
+            Observation(
+                slot=ctx.slot,
+                agent=ctx.agent,
+                source_agent=ctx.source.agent or "",
+                start=ctx.start,
+                source=ctx.aligned_source(),
+                exact=kv,
+                inv_freq=ctx.engine.inv_freq,
+            )
+        )
         self.importance.append(got.get("att"))
         return kv
+
+
+def tau_for_reuse(entropies: list[tuple[float, int]], target: float) -> float:
+    """Smallest tau whose accepted gate decisions cover ``target`` of the gated tokens."""
+    if not entropies:
+        raise BenchError("--target-reuse: calibration produced no gate decisions (too few samples?)")
+    total = sum(n for _, n in entropies)
+    acc = 0
+    tau = -1.0
+    for h, n in sorted(entropies):
+        if acc / total >= target:
+            break
+        acc += n
+        tau = h
+    return tau
+
+
+def auto_tau(method, flow_factory, calib: list, target: float):
+    """Run calibration units with the gate closed (dense everywhere, pools filling as in a real
+    run), record every gate's entropy, and return a fresh method whose tau reaches ``target``."""
+    cfg = {k: v for k, v in method.config().items() if k != "name"}
+    probe = type(method)(**cfg)
+    probe.tau = -1.0  # below every entropy: the gate never accepts
+    flow = flow_factory(probe)
+    for u in calib:
+        flow.run_unit(u)
+    tau = tau_for_reuse(probe.entropies, target)
+    chosen = type(method)(**cfg)
+    chosen.tau = tau  # may be -1 (target 0: accept nothing), outside the user-facing range
+    return chosen, tau

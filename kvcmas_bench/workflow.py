@@ -10,9 +10,11 @@ segment has the same ids in every agent.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .engine import Engine, Request, RequestResult, Segment, SegmentKV
+from .results.request import RequestRecord
 from .workloads.base import Role, Sample, Workload
 
 _MARK = "\x00{}\x00"
@@ -26,8 +28,9 @@ class SharedRef:
     slot: str
 
 
-def render_segments(tokenizer, system: str, parts: list[str | SharedRef],
-                    shared_ids: dict[str, list[int]], sources: dict[str, str]) -> list[Segment]:
+def render_segments(
+    tokenizer, system: str, parts: list[str | SharedRef], shared_ids: dict[str, list[int]], sources: dict[str, str]
+) -> list[Segment]:
     """Chat-template an agent turn and split it into token-exact PF/PH segments."""
     refs: list[SharedRef] = []
     content = ""
@@ -40,11 +43,13 @@ def render_segments(tokenizer, system: str, parts: list[str | SharedRef],
     try:
         text = tokenizer.apply_chat_template(
             [{"role": "system", "content": system}, {"role": "user", "content": content}],
-            tokenize=False, add_generation_prompt=True)
+            tokenize=False,
+            add_generation_prompt=True,
+        )
     except Exception:  # noqa: BLE001 - templates without a system role raise template errors
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": system + "\n\n" + content}], tokenize=False,
-            add_generation_prompt=True)
+            [{"role": "user", "content": system + "\n\n" + content}], tokenize=False, add_generation_prompt=True
+        )
     pieces = _MARK_RE.split(text)
     segments: list[Segment] = []
     for i, piece in enumerate(pieces):
@@ -61,24 +66,6 @@ def render_segments(tokenizer, system: str, parts: list[str | SharedRef],
             segments.append(Segment("PH", list(shared_ids[slot]), slot=slot, source=sources.get(slot)))
     segments[-1].name = "tail"
     return segments
-
-
-@dataclass
-class AgentStep:
-    role: Role
-    result: RequestResult
-    text: str
-    request: Request | None = None
-
-
-@dataclass
-class SampleRun:
-    sample: Sample
-    steps: list[AgentStep] = field(default_factory=list)
-
-    @property
-    def final_text(self) -> str:
-        return self.steps[-1].text
 
 
 TOPOLOGIES = ("chain", "fan-out", "fan-in", "loop")
@@ -156,15 +143,104 @@ def out_slot(node: Node) -> str:
     return f"out:{node.id}"
 
 
-class Workflow:
-    """Runs one sample through an agent graph. The source of each PH segment is the most recent
-    materialization of its slot among the node's ancestors (the predecessor on the workflow edge;
-    for an agent output, the producer's decode-phase cache), so corrections chain along edges and
-    each incoming segment at a fan-in keeps its own source."""
+@dataclass
+class AgentStep:
+    """One executed node: its request and result, what it generated, and the bytes held when it
+    finished (the shared-segment store kept as sources, and the method's own state)."""
 
-    def __init__(self, engine: Engine, method, workload: Workload, max_new_tokens: int | None = None,
-                 final_max_new_tokens: int | None = None, fidelity: bool = False, topology: str = "chain",
-                 agents: int | None = None, rounds: int = 1):
+    node: Node
+    request: Request
+    result: RequestResult
+    text: str
+    shared_store_bytes: int = 0
+    method_state_bytes: int = 0
+
+    @property
+    def role(self) -> Role:
+        return self.node.role
+
+
+@dataclass
+class UnitRun:
+    """One unit of work (a benchmark sample or a serving trajectory) run through the agent graph."""
+
+    unit_id: str
+    steps: list[AgentStep] = field(default_factory=list)
+    #: visual tokens of the sample (VLM workloads): kind, tokens, vision-encoder seconds
+    visual: dict | None = None
+
+    @property
+    def final_text(self) -> str:
+        return self.steps[-1].text
+
+
+#: ``build(index, node, sources, outputs)`` -> the node's request; ``sources`` maps a shared slot to
+#: the cache it reuses, ``outputs`` maps every executed node id to its generated token ids
+BuildRequest = Callable[[int, Node, dict[str, SegmentKV], dict[str, list[int]]], Request]
+
+
+def execute(
+    engine: Engine, method, nodes: Sequence[Node], build: BuildRequest, fidelity: bool = False, decode=None
+) -> list[AgentStep]:
+    """Run every node in order: the one place that chains sources along the agent graph.
+
+    The source of each shared slot is its most recent materialization among the node's ancestors
+    (the predecessor on the workflow edge; for an agent output, the producer's decode-phase cache),
+    so corrections chain along edges and each incoming segment at a fan-in keeps its own source.
+    ``decode(ids)`` turns generated ids into text (default: the engine's tokenizer).
+    """
+    decode = decode or (lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True))
+    store: dict[str, list[tuple[int, SegmentKV]]] = {}  # slot -> (node index, cache), in order
+    outputs: dict[str, list[int]] = {}
+    steps: list[AgentStep] = []
+    for idx, node in enumerate(nodes):
+        sources = _sources(store, node)
+        req = build(idx, node, sources, outputs)
+        res = engine.run(req, method, sources=sources, fidelity=fidelity)
+        for slot, kv in res.materialized.items():
+            store.setdefault(slot, []).append((idx, kv))
+        if res.output_kv is not None:
+            res.output_kv.slot = out_slot(node)
+            store.setdefault(out_slot(node), []).append((idx, res.output_kv))
+        outputs[node.id] = list(res.output_ids)
+        steps.append(
+            AgentStep(
+                node,
+                req,
+                res,
+                decode(res.output_ids),
+                shared_store_bytes=sum(kv.nbytes for h in store.values() for _, kv in h),
+                method_state_bytes=method.state_bytes(),
+            )
+        )
+    return steps
+
+
+def _sources(store: dict[str, list[tuple[int, SegmentKV]]], node: Node) -> dict[str, SegmentKV]:
+    sources: dict[str, SegmentKV] = {}
+    for slot, hist in store.items():
+        for producer, kv in reversed(hist):
+            if producer in node.ancestors:
+                sources[slot] = kv
+                break
+    return sources
+
+
+class Workflow:
+    """Runs benchmark samples through an agent graph (:func:`plan`) with one method."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        method,
+        workload: Workload,
+        max_new_tokens: int | None = None,
+        final_max_new_tokens: int | None = None,
+        fidelity: bool = False,
+        topology: str = "chain",
+        agents: int | None = None,
+        rounds: int = 1,
+    ):
         self.engine = engine
         self.tok = engine.tokenizer
         self.method = method
@@ -188,33 +264,64 @@ class Workflow:
         parts.append("\n\n" + node.role.instruction)
         return parts
 
-    def run_sample(self, sample: Sample) -> SampleRun:
-        shared_ids = {"q": self.tok(sample.query, add_special_tokens=False)["input_ids"]}
-        return self.execute(SampleRun(sample), shared_ids, lambda node, sources: render_segments(
-            self.tok, node.role.system, self.user_parts(node), shared_ids,
-            {slot: kv.agent for slot, kv in sources.items()}))
+    def request(self, node: Node, segments: list[Segment]) -> Request:
+        return Request(node.role.name, segments, self.final_max_new if node.final else self.max_new)
 
-    def execute(self, run: SampleRun, shared_ids: dict[str, list[int]], build) -> SampleRun:
-        """Run every node in order; ``build(node, sources)`` returns the node's segments."""
-        # slot -> list of (node index, cache) in materialization order
-        store: dict[str, list[tuple[int, SegmentKV]]] = {}
-        for idx, node in enumerate(self.nodes):
-            sources: dict[str, SegmentKV] = {}
-            for slot, hist in store.items():
-                for producer, kv in reversed(hist):
-                    if producer in node.ancestors:
-                        sources[slot] = kv
-                        break
-            req = Request(node.role.name, build(node, sources), self.final_max_new if node.final else self.max_new)
-            res = self.engine.run(req, self.method, sources=sources, fidelity=self.fidelity)
-            for slot, kv in res.materialized.items():
-                store.setdefault(slot, []).append((idx, kv))
-            if res.output_kv is not None:
-                res.output_kv.slot = out_slot(node)
-                store.setdefault(out_slot(node), []).append((idx, res.output_kv))
-            shared_ids[out_slot(node)] = list(res.output_ids)
-            res.shared_store_bytes = sum(kv.nbytes for h in store.values() for _, kv in h)  # type: ignore[attr-defined]
-            text = self.tok.decode(res.output_ids, skip_special_tokens=True)
-            run.steps.append(AgentStep(node.role, res, text, req))
-        return run
+    def run_sample(self, sample: Sample) -> UnitRun:
+        q_ids = self.tok(sample.query, add_special_tokens=False)["input_ids"]
 
+        def build(idx, node, sources, outputs):
+            shared = {"q": q_ids, **{out_slot(self.nodes[i]): outputs[self.nodes[i].id] for i in node.reads}}
+            return self.request(
+                node,
+                render_segments(
+                    self.tok,
+                    node.role.system,
+                    self.user_parts(node),
+                    shared,
+                    {slot: kv.agent for slot, kv in sources.items()},
+                ),
+            )
+
+        return UnitRun(sample.id, execute(self.engine, self.method, self.nodes, build, self.fidelity))
+
+    run_unit = run_sample
+
+
+def request_records(run: UnitRun, layers: int, **ids) -> list[RequestRecord]:
+    """One :class:`RequestRecord` per executed node of ``run`` (``ids``: sample or trajectory keys)."""
+    out = []
+    for i, step in enumerate(run.steps):
+        r = step.result
+        rec = RequestRecord(
+            agent=step.role.name,
+            ttft_s=r.ttft_s,
+            e2e_s=r.e2e_s,
+            step=i,
+            node=step.node.id,
+            **ids,
+            prompt_tokens=r.prompt_tokens,
+            output_tokens=len(r.output_ids),
+            prefilled_tokens=r.prefilled_tokens,
+            reused_tokens=r.reused_tokens,
+            eligible_tokens=r.eligible_tokens,
+            reference_tokens=r.reference_tokens,
+            recomputed_token_layers=r.recomputed_token_layers,
+            layers=layers,
+            kv_bytes=r.kv_bytes,
+            shared_store_bytes=step.shared_store_bytes,
+            method_state_bytes=step.method_state_bytes,
+            kv_state_bytes=r.kv_bytes + step.shared_store_bytes + step.method_state_bytes,
+            peak_rss_bytes=r.peak_rss_bytes,
+            device_peak_bytes=r.device_peak_bytes,
+            segments=r.segments,
+            output=step.text,
+            first_token_id=r.first_token,
+        )
+        if r.fidelity is not None:
+            errs = [s.kv_rel_error for s in r.segments if s.kv_rel_error is not None and s.source_agent]
+            rec.top1_agree = r.fidelity["top1_agree"]
+            rec.first_token_kl = r.fidelity["first_token_kl"]
+            rec.kv_rel_error = (sum(errs) / len(errs)) if errs else None
+        out.append(rec)
+    return out

@@ -11,9 +11,18 @@ VOCAB = 96
 def tiny_config(family: str = "llama", rope: dict | None = None, layers: int = 3, vocab: int = VOCAB):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     if family == "llama":
         cfg = LlamaConfig(**common, rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
     elif family == "qwen2":
@@ -36,8 +45,14 @@ def tiny_model(family: str = "llama", rope: dict | None = None, seed: int = 0, *
     return model.eval()
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
 
 
 @pytest.fixture(scope="session")
@@ -82,5 +97,3 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return str(d)
-
-

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvcmas_bench import runner
+from kvcmas_bench.jobs import run as runner
 
 from .conftest import run_cli as _run
 
@@ -19,8 +19,27 @@ def _lines(path) -> list[dict]:
 
 def test_run_writes_all_outputs(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    rc = _run(["run", "--method", "fullshared", "--workload", "mmlu", "--model", tiny_model_dir, "--limit", "2",
-               "--max-new-tokens", "3", "--final-max-new-tokens", "2", "--device", "cpu", "-o", str(out)])
+    rc = _run(
+        [
+            "run",
+            "--method",
+            "fullshared",
+            "--workload",
+            "mmlu",
+            "--model",
+            tiny_model_dir,
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "3",
+            "--final-max-new-tokens",
+            "2",
+            "--device",
+            "cpu",
+            "-o",
+            str(out),
+        ]
+    )
     assert rc == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["method"] == "fullshared" and cfg["versions"]["torch"] and "hardware" in cfg
@@ -39,8 +58,21 @@ def test_run_writes_all_outputs(tiny_model_dir, tmp_path):
 
 def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, tmp_path, monkeypatch):
     out = tmp_path / "run"
-    args = ["run", "--model", tiny_model_dir, "--limit", "5", "--max-new-tokens", "2",
-            "--final-max-new-tokens", "2", "--device", "cpu", "-o", str(out)]
+    args = [
+        "run",
+        "--model",
+        tiny_model_dir,
+        "--limit",
+        "5",
+        "--max-new-tokens",
+        "2",
+        "--final-max-new-tokens",
+        "2",
+        "--device",
+        "cpu",
+        "-o",
+        str(out),
+    ]
     real = runner.run_one
     calls = {"n": 0}
 
@@ -71,22 +103,26 @@ def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, tmp_path, mo
     assert len(_lines(out / "samples.jsonl")) == 5
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["run", "--method", "nope"], "unknown method"),
-    (["run", "--workload", "nope"], "unknown workload"),
-    (["run", "--limit", "0"], "--limit"),
-    (["run", "--limit", "abc"], "--limit"),
-    (["run", "--model", "/no/such/model"], "model not found"),
-    (["run", "--model", "missing.gguf"], "model file not found"),
-    (["run", "--device", "tpu"], "--device"),
-    (["run", "--dtype", "int3"], "--dtype"),
-    (["run", "--max-new-tokens", "-1"], "--max-new-tokens"),
-    (["run", "--subjects", "astrology-of-cats", "--limit", "1"], "unknown MMLU subject"),
-    (["run", "--bogus"], "No such option"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["run", "--method", "nope"], "unknown method"),
+        (["run", "--workload", "nope"], "unknown workload"),
+        (["run", "--limit", "0"], "--limit"),
+        (["run", "--limit", "abc"], "--limit"),
+        (["run", "--model", "/no/such/model"], "model not found"),
+        (["run", "--model", "missing.gguf"], "model file not found"),
+        (["run", "--device", "tpu"], "--device"),
+        (["run", "--dtype", "int3"], "--dtype"),
+        (["run", "--max-new-tokens", "-1"], "--max-new-tokens"),
+        (["run", "--subjects", "astrology-of-cats", "--limit", "1"], "unknown MMLU subject"),
+        (["run", "--bogus"], "No such option"),
+    ],
+)
 def test_bad_input_one_line_exit_2(args, needle):
-    proc = subprocess.run([sys.executable, "-m", "kvcmas_bench.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcmas_bench.cli", *args], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
@@ -95,8 +131,21 @@ def test_bad_input_one_line_exit_2(args, needle):
 
 def test_resume_refuses_other_config(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    base = ["run", "--model", tiny_model_dir, "--limit", "1", "--max-new-tokens", "2",
-            "--final-max-new-tokens", "2", "--device", "cpu", "-o", str(out)]
+    base = [
+        "run",
+        "--model",
+        tiny_model_dir,
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--final-max-new-tokens",
+        "2",
+        "--device",
+        "cpu",
+        "-o",
+        str(out),
+    ]
     assert _run(base) == 0
     assert _run([*base[:1], "--method", "fullshared", *base[1:]]) == 2
 
@@ -113,8 +162,27 @@ def test_real_model_mmlu_two_samples(tmp_path):
     """SmolLM2-135M end to end on 2 MMLU samples, NonShared then FullShared with fidelity."""
     for method in ("nonshared", "fullshared"):
         out = tmp_path / method
-        assert _run(["run", "--method", method, "--limit", "2", "--device", "cpu", "--fidelity",
-                     "--max-new-tokens", "24", "--final-max-new-tokens", "8", "-o", str(out)]) == 0
+        assert (
+            _run(
+                [
+                    "run",
+                    "--method",
+                    method,
+                    "--limit",
+                    "2",
+                    "--device",
+                    "cpu",
+                    "--fidelity",
+                    "--max-new-tokens",
+                    "24",
+                    "--final-max-new-tokens",
+                    "8",
+                    "-o",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         summary = json.loads((out / "summary.json").read_text())
         assert summary["n"] == 2 and 0.0 <= summary["accuracy"] <= 1.0
         fid = summary["fidelity"]

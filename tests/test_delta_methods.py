@@ -7,13 +7,12 @@ import math
 import pytest
 import torch
 
-from kvcmas_bench.calibration import Recorder
+from kvcmas_bench.calibration import Recorder, tau_for_reuse
 from kvcmas_bench.engine import Request, Segment
-from kvcmas_bench.kvmath import relative_error
-from kvcmas_bench.lowrank import gate_entropy, lowrank_sqdist, to_rows, truncated_svd, weighted_lowrank
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import AnchorPool
-from kvcmas_bench.runner import tau_for_reuse
+from kvcmas_bench.ops.kvmath import relative_error
+from kvcmas_bench.ops.lowrank import gate_entropy, lowrank_sqdist, to_rows, truncated_svd, weighted_lowrank
 
 from .conftest import rand_ids
 
@@ -21,8 +20,9 @@ from .conftest import rand_ids
 def _pair(q_seed=12, q_len=15):
     q = rand_ids(q_len, q_seed)
     ra = Request("A", [Segment("PF", rand_ids(6, 10)), Segment("PH", q, slot="q"), Segment("PF", rand_ids(4, 13))], 4)
-    rb = Request("B", [Segment("PF", rand_ids(9, 11)), Segment("PH", q, slot="q", source="A"),
-                       Segment("PF", rand_ids(5, 14))], 4)
+    rb = Request(
+        "B", [Segment("PF", rand_ids(9, 11)), Segment("PH", q, slot="q", source="A"), Segment("PF", rand_ids(5, 14))], 4
+    )
     return ra, rb
 
 
@@ -87,7 +87,7 @@ def test_gate_needs_two_compatible_anchors():
 def test_eviction_is_lfu_among_five_oldest():
     pool = _fake_pool(6, 6)
     for i, a in enumerate(pool.anchors):
-        a.count = [3, 1, 2, 5, 4, 0][i]   # the newest has count 0 but is not among the 5 oldest
+        a.count = [3, 1, 2, 5, 4, 0][i]  # the newest has count 0 but is not among the 5 oldest
     z = torch.zeros(2, 8, 6)
     pool.add(("src", 99), z, z, "B", z, z, None)
     assert [a.source_key[1] for a in pool.anchors] == [0, 2, 3, 4, 5, 99]
@@ -111,7 +111,7 @@ def test_kvcmas_first_agent_is_bit_identical_to_nonshared(engine):
     assert a.output_ids == b.output_ids
     assert torch.equal(a.materialized["q"].k, b.materialized["q"].k)
     assert torch.equal(a.materialized["q"].v, b.materialized["q"].v)
-    assert b.segments[1]["status"] == "exact"
+    assert b.segments[1].status == "exact"
 
 
 def test_kvcmas_with_one_exact_anchor_reproduces_dense(engine):
@@ -120,10 +120,10 @@ def test_kvcmas_with_one_exact_anchor_reproduces_dense(engine):
     m = get_method("kvcmas", anchors=1, rank=64)
     a = engine.run(ra, m)
     first = engine.run(rb, m, sources={"q": a.materialized["q"]})
-    assert first.segments[1]["status"] == "exact" and m.stats["anchors_inserted"] == 1
+    assert first.segments[1].status == "exact" and m.stats["anchors_inserted"] == 1
     second = engine.run(rb, m, sources={"q": a.materialized["q"]}, fidelity=True)
-    assert second.segments[1]["status"] == "corrected" and second.reused_tokens == len(rb.segments[1].ids)
-    assert second.segments[1]["kv_rel_error"] < 1e-5
+    assert second.segments[1].status == "corrected" and second.reused_tokens == len(rb.segments[1].ids)
+    assert second.segments[1].kv_rel_error < 1e-5
     dense = engine.run(rb, get_method("nonshared"), fidelity=True)
     assert (second.first_logits - dense.first_logits).abs().max().item() < 1e-4
     assert second.output_ids == dense.output_ids
@@ -141,7 +141,7 @@ def test_kvcmas_low_rank_anchor_beats_fullshared_when_similar(engine):
     a2 = engine.run(ra2, m)
     got = engine.run(rb2, m, sources={"q": a2.materialized["q"]}, fidelity=True)
     full = engine.run(rb2, get_method("fullshared"), sources={"q": a2.materialized["q"]}, fidelity=True)
-    assert got.segments[1]["kv_rel_error"] < full.segments[1]["kv_rel_error"]
+    assert got.segments[1].kv_rel_error < full.segments[1].kv_rel_error
 
 
 def test_nonfinite_correction_falls_back_to_dense(engine):
@@ -152,8 +152,8 @@ def test_nonfinite_correction_falls_back_to_dense(engine):
     dk, dv = m.pools["q"].anchors[0].deltas["B"]
     dk.a[0, 0, 0] = float("nan")
     res = engine.run(rb, m, sources={"q": a.materialized["q"]}, fidelity=True)
-    assert res.segments[1]["status"] == "exact" and m.stats["nonfinite_fallback"] == 1
-    assert res.segments[1]["kv_rel_error"] < 1e-6
+    assert res.segments[1].status == "exact" and m.stats["nonfinite_fallback"] == 1
+    assert res.segments[1].kv_rel_error < 1e-6
 
 
 @pytest.mark.parametrize("name", ["kvcomm", "kvcmas-nonchained"])
@@ -164,8 +164,8 @@ def test_nonchained_methods_correct_the_first_agent_from_a_reference(engine, nam
     assert first.reference_tokens == len(ra.segments[1].ids)
     again = engine.run(ra, m, fidelity=True)  # reference cached: no second reference prefill
     assert again.reference_tokens == 0
-    assert again.segments[1]["status"] == "corrected"
-    assert again.segments[1]["kv_rel_error"] < 1e-5
+    assert again.segments[1].status == "corrected"
+    assert again.segments[1].kv_rel_error < 1e-5
     if name == "kvcomm":
         assert m.pools["q"].anchors[0].base_k.b is None  # full-dimensional storage
 
@@ -180,10 +180,10 @@ def test_graphflow_calibrated_relation_reproduces_dense_and_counts_reference(eng
     gf.calibrate(rec.observations, engine.n_layers)
     res = engine.run(rb, gf, sources={"q": a.materialized["q"]}, fidelity=True)
     assert res.reference_tokens == len(rb.segments[1].ids)
-    assert res.segments[1]["status"] == "corrected" and res.segments[1]["kv_rel_error"] < 1e-5
+    assert res.segments[1].status == "corrected" and res.segments[1].kv_rel_error < 1e-5
     # an uncalibrated relation gets the plain reference (rho = 1, no matching)
     plain = engine.run(ra, gf, fidelity=True)
-    assert plain.segments[1]["status"] == "corrected" and plain.reference_tokens == 0
+    assert plain.segments[1].status == "corrected" and plain.reference_tokens == 0
 
 
 def test_tau_for_reuse_hits_the_target():
@@ -202,7 +202,7 @@ def test_to_rows_layout():
 
 
 def test_token_sqdist_matches_reconstruction():
-    from kvcmas_bench.lowrank import token_sqdist
+    from kvcmas_bench.ops.lowrank import token_sqdist
 
     torch.manual_seed(3)
     x, a, b = torch.randn(4, 9, 16), torch.randn(3, 4, 9, 5), torch.randn(3, 4, 5, 16)

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from kvcmas_bench.engine import Engine, Request, Segment
-from kvcmas_bench.kvmath import relative_error
 from kvcmas_bench.methods import get_method
+from kvcmas_bench.ops.kvmath import relative_error
 
 from .conftest import LLAMA3_ROPE, rand_ids, tiny_model
 
 
-@pytest.mark.parametrize("family,rope", [("llama", None), ("qwen2", None), ("mistral", None),
-                                         ("llama", LLAMA3_ROPE)])
+@pytest.mark.parametrize("family,rope", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", LLAMA3_ROPE)])
 def test_segmentwise_prefill_matches_whole_forward(family, rope):
     model = tiny_model(family, rope)
     eng = Engine(model)
@@ -49,15 +48,14 @@ def test_realignment_is_exact(rope):
 
 def _alone_at(eng, ids, p):
     """``ids`` prefilled with no prefix, with the rotary of positions p.. (rows 0..S-1)."""
-    kv, _ = _prefill_with_positions(eng, eng.new_cache(len(ids)), eng.embed_ids(ids),
-                                    torch.arange(p, p + len(ids)))
+    kv, _ = _prefill_with_positions(eng, eng.new_cache(len(ids)), eng.embed_ids(ids), torch.arange(p, p + len(ids)))
     return kv
 
 
 @torch.no_grad()
 def _prefill_with_positions(eng, cache, h, rope_positions):
     """Dense prefill whose rotary uses ``rope_positions`` while rows are 0..S-1."""
-    from kvcmas_bench.kvmath import rotate_half
+    from kvcmas_bench.ops.kvmath import rotate_half
 
     T = h.shape[1]
     cos, sin = eng.rotary(h, rope_positions[None])
@@ -74,7 +72,8 @@ def _prefill_with_positions(eng, cache, h, rope_positions):
         cache.k[li, :, :T] = k[0]
         cache.v[li, :, :T] = v[0]
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+            q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True
+        )
         h = h + attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     seg = cache.segment(0, T, ids=())
@@ -100,9 +99,9 @@ def test_fullshared_equals_nonshared_with_identical_prefix(engine):
         a = engine.run(ra, m)
         b = engine.run(rb, m, sources={"q": a.materialized["q"]}, fidelity=True)
         outs[name] = b
-    assert outs["fullshared"].segments[1]["status"] == "reused"
+    assert outs["fullshared"].segments[1].status == "reused"
     assert outs["fullshared"].reused_tokens == 15
-    assert outs["fullshared"].segments[1]["kv_rel_error"] < 1e-6
+    assert outs["fullshared"].segments[1].kv_rel_error < 1e-6
     assert outs["fullshared"].output_ids == outs["nonshared"].output_ids
     assert torch.allclose(outs["fullshared"].first_logits, outs["nonshared"].first_logits, atol=1e-4)
 
@@ -112,10 +111,10 @@ def test_fullshared_differs_with_other_prefix(engine):
     m = get_method("fullshared")
     a = engine.run(ra, m)
     b = engine.run(rb, m, sources={"q": a.materialized["q"]}, fidelity=True)
-    assert b.segments[1]["kv_rel_error"] > 1e-3
+    assert b.segments[1].kv_rel_error > 1e-3
     assert b.fidelity["first_token_kl"] >= 0.0
     n = engine.run(rb, get_method("nonshared"), sources={"q": a.materialized["q"]}, fidelity=True)
-    assert n.segments[1]["kv_rel_error"] < 1e-6 and n.fidelity["first_token_kl"] < 1e-6
+    assert n.segments[1].kv_rel_error < 1e-6 and n.fidelity["first_token_kl"] < 1e-6
 
 
 def test_decode_matches_generate(llama, engine):
@@ -123,14 +122,20 @@ def test_decode_matches_generate(llama, engine):
     ra.max_new_tokens = 12
     res = engine.run(ra, get_method("nonshared"))
     ids = torch.tensor([ra.prompt_ids])
-    gen = llama.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                         do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert res.output_ids == gen[0, ids.shape[1]:].tolist()
+    gen = llama.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    assert res.output_ids == gen[0, ids.shape[1] :].tolist()
     # the decode-phase KV of the output equals a dense prefill of prompt + output
     full = ra.prompt_ids + res.output_ids
     cache = engine.new_cache(len(full))
     engine.prefill(cache, full, 0)
-    ref_k = cache.k[:, :, len(ra.prompt_ids):]
+    ref_k = cache.k[:, :, len(ra.prompt_ids) :]
     assert (res.output_kv.k - ref_k).abs().max().item() < 1e-4
 
 
@@ -154,8 +159,9 @@ def test_unsupported_architectures_are_refused():
 
     from .conftest import tiny_config
 
-    yarn = tiny_config("llama", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                 "original_max_position_embeddings": 256})
+    yarn = tiny_config(
+        "llama", {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256}
+    )
     with pytest.raises(BenchError, match="yarn"):
         check_supported(yarn)
     q = tiny_config("qwen2")

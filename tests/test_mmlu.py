@@ -24,11 +24,21 @@ def test_subjects_filter_and_unknown_subject():
         get_workload("mmlu", subjects=["astrology"]).load()
 
 
-@pytest.mark.parametrize("text,letter", [
-    ("Answer: C", "C"), ("The answer is (b).", "B"), ("Answer: **A**", "A"), ("B. because ...", "B"),
-    ("I think option D is right", "D"), ("(C) is correct", "C"), ("", None), ("none of these", None),
-    ("The final answer is: D\nA is wrong", "D"), ("42", None),
-])
+@pytest.mark.parametrize(
+    "text,letter",
+    [
+        ("Answer: C", "C"),
+        ("The answer is (b).", "B"),
+        ("Answer: **A**", "A"),
+        ("B. because ...", "B"),
+        ("I think option D is right", "D"),
+        ("(C) is correct", "C"),
+        ("", None),
+        ("none of these", None),
+        ("The final answer is: D\nA is wrong", "D"),
+        ("42", None),
+    ],
+)
 def test_extract_letter(text, letter):
     assert extract_letter(text) == letter
 

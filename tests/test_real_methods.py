@@ -11,14 +11,38 @@ from .conftest import run_cli as _run
 
 def _fid(tmp_path, method: str, extra: list[str] = (), limit: int = 4) -> dict:
     out = tmp_path / method
-    rc = _run(["run", "--method", method, "--limit", str(limit), "--device", "cpu", "--fidelity", "--seed", "3",
-               "--max-new-tokens", "16", "--final-max-new-tokens", "4", "--calib-samples", "2",
-               "-o", str(out), *extra])
+    rc = _run(
+        [
+            "run",
+            "--method",
+            method,
+            "--limit",
+            str(limit),
+            "--device",
+            "cpu",
+            "--fidelity",
+            "--seed",
+            "3",
+            "--max-new-tokens",
+            "16",
+            "--final-max-new-tokens",
+            "4",
+            "--calib-samples",
+            "2",
+            "-o",
+            str(out),
+            *extra,
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     reqs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
-    errs = [s["kv_rel_error"] for r in reqs for s in r["segments"]
-            if s["kind"] == "PH" and s["status"] != "exact" and "kv_rel_error" in s]
+    errs = [
+        s["kv_rel_error"]
+        for r in reqs
+        for s in r["segments"]
+        if s["kind"] == "PH" and s["status"] != "exact" and "kv_rel_error" in s
+    ]
     summary["accepted_kv_error"] = sum(errs) / len(errs) if errs else None
     return summary
 
@@ -29,8 +53,12 @@ def test_real_delta_correction_fidelity(tmp_path):
     full = _fid(tmp_path, "fullshared")
     chained = _fid(tmp_path, "kvcmas")
     nonchained = _fid(tmp_path, "kvcmas-nonchained")
-    print({k: (s["fidelity"], s["reuse_ratio"], s["accepted_kv_error"])
-           for k, s in (("fullshared", full), ("kvcmas", chained), ("kvcmas-nonchained", nonchained))})
+    print(
+        {
+            k: (s["fidelity"], s["reuse_ratio"], s["accepted_kv_error"])
+            for k, s in (("fullshared", full), ("kvcmas", chained), ("kvcmas-nonchained", nonchained))
+        }
+    )
     assert chained["reuse_ratio"] > 0.0  # the gate accepted corrections, so this is not all-dense
     assert chained["fidelity"]["kv_rel_error"] < full["fidelity"]["kv_rel_error"]
     assert chained["fidelity"]["kv_rel_error"] <= nonchained["fidelity"]["kv_rel_error"]
@@ -71,8 +99,28 @@ def test_real_recompute_methods_error_between_fullshared_and_zero(tmp_path):
 @pytest.mark.parametrize("workload", ["gsm8k", "humaneval"])
 def test_real_model_gsm8k_and_humaneval_two_samples(tmp_path, workload):
     out = tmp_path / workload
-    assert _run(["run", "--workload", workload, "--method", "kvcmas", "--limit", "2", "--device", "cpu",
-                 "--max-new-tokens", "24", "--final-max-new-tokens", "48", "-o", str(out)]) == 0
+    assert (
+        _run(
+            [
+                "run",
+                "--workload",
+                workload,
+                "--method",
+                "kvcmas",
+                "--limit",
+                "2",
+                "--device",
+                "cpu",
+                "--max-new-tokens",
+                "24",
+                "--final-max-new-tokens",
+                "48",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 and all(isinstance(s["correct"], bool) for s in samples)
     summary = json.loads((out / "summary.json").read_text())

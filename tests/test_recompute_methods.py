@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 
-from kvcmas_bench.analysis_coverage import reconstruction_coverage
+from kvcmas_bench.analysis.coverage import reconstruction_coverage
 from kvcmas_bench.calibration import Recorder
 from kvcmas_bench.engine import Engine, Request, Segment
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.cacheblend import CacheBlend
 from kvcmas_bench.methods.droidspeak import DroidSpeak
 from kvcmas_bench.methods.relaycaching import RelayCaching
-from kvcmas_bench.methods import selection as sel
+from kvcmas_bench.ops import selection as sel
 
 from .conftest import rand_ids, tiny_model
 
@@ -81,15 +81,21 @@ def test_budgets_round_as_documented():
 
 def test_choose_layer_groups_is_optimal():
     g = torch.Generator().manual_seed(0)
-    for trial in range(30):
+    for _ in range(30):
         L = 7
         dev = torch.rand(L, generator=g).tolist()
         for n, G in itertools.product(range(0, L + 1), (1, 2, 3, None)):
             got = sel.choose_layer_groups(dev, n, G)
             assert sum(b - a for a, b in got) == n
             assert G is None or len(got) <= G
-            best = max((sum(dev[i] for i in c) for c in itertools.combinations(range(L), n)
-                        if G is None or len(sel.runs(c)) <= G), default=0.0)
+            best = max(
+                (
+                    sum(dev[i] for i in c)
+                    for c in itertools.combinations(range(L), n)
+                    if G is None or len(sel.runs(c)) <= G
+                ),
+                default=0.0,
+            )
             assert math.isclose(sum(dev[i] for a, b in got for i in range(a, b)), best, abs_tol=1e-12)
     assert sel.choose_layer_groups([5, 0, 9, 9, 1, 8], 2, 1, lo=1, hi=5) == [(2, 4)]
     assert sel.choose_layer_groups([0, 3, 1, 4, 0], 2, None) == [(1, 2), (3, 4)]
@@ -124,9 +130,9 @@ def test_everything_selected_is_dense_prefill(eng8, cls):
     _, b = run_pair(eng8, m, ra, rb)
     _, ref = run_pair(eng8, get_method("nonshared"), ra, rb)
     _, full = run_pair(eng8, get_method("fullshared"), ra, rb)
-    assert full.segments[1]["kv_rel_error"] > 1e-2  # the prefixes really differ
+    assert full.segments[1].kv_rel_error > 1e-2  # the prefixes really differ
     got, exact = b.materialized["q"], ref.materialized["q"]
-    assert b.segments[1]["status"] == "recomputed"
+    assert b.segments[1].status == "recomputed"
     assert (got.k - exact.k).abs().max().item() < 1e-4
     assert (got.v - exact.v).abs().max().item() < 1e-4
     assert (b.first_logits - ref.first_logits).abs().max().item() < 1e-4
@@ -204,8 +210,8 @@ def test_kv_error_falls_with_budget(eng8, cls):
     err = {}
     for rho in (0.9, 0.8):
         _, b = run_pair(eng8, calibrated(cls, eng8, obs, rho=rho), ra, rb)
-        err[rho] = b.segments[1]["kv_rel_error"]
-    e_full = full.segments[1]["kv_rel_error"]
+        err[rho] = b.segments[1].kv_rel_error
+    e_full = full.segments[1].kv_rel_error
     assert err[0.8] <= err[0.9] + 1e-6 <= e_full + 2e-6
     assert err[0.8] < e_full
 
@@ -229,23 +235,23 @@ def _chain_with_output(engine, method):
     ra, _ = requests(0, identical_prefix=True)
     a = engine.run(ra, method)
     out = a.output_ids
-    rb = Request("B", [*ra.segments, Segment("PH", out, slot="out:A", source="A"),
-                       Segment("PF", rand_ids(3, 77))], 4)
+    rb = Request("B", [*ra.segments, Segment("PH", out, slot="out:A", source="A"), Segment("PF", rand_ids(3, 77))], 4)
     b = engine.run(rb, method, sources={"q": a.materialized["q"], "out:A": a.output_kv}, fidelity=True)
     return a, b
 
 
-@pytest.mark.parametrize("method", [DroidSpeak(groups=((2, 5),)),
-                                    RelayCaching(rho=0.75, check_layer=0, critical=(3, 7))])
+@pytest.mark.parametrize(
+    "method", [DroidSpeak(groups=((2, 5),)), RelayCaching(rho=0.75, check_layer=0, critical=(3, 7))]
+)
 def test_hidden_states_enter_groups_exactly(eng8, method):
     """With identical prefixes the source's hidden states are the target's, so entering a group (or
     range) with them must reproduce dense prefill; covers prefill and decode-phase sources."""
     a, b = _chain_with_output(eng8, method)
     assert a.output_kv.hidden and len(a.output_ids) >= 2
-    assert [s["status"] for s in b.segments if s["kind"] == "PH"] == ["recomputed", "recomputed"]
+    assert [s.status for s in b.segments if s.kind == "PH"] == ["recomputed", "recomputed"]
     for s in b.segments:
-        if s["kind"] == "PH":
-            assert s["kv_rel_error"] < 1e-5
+        if s.kind == "PH":
+            assert s.kv_rel_error < 1e-5
     assert b.fidelity["first_token_kl"] < 1e-6
     n_out = len(a.output_ids)
     if isinstance(method, DroidSpeak):

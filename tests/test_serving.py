@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from kvcmas_bench.errors import BenchError
+from kvcmas_bench.jobs.sweep import serve_sweep
+from kvcmas_bench.results.request import RequestRecord, SegmentRecord
 from kvcmas_bench.serving.arrivals import arrival_times, gaps
-from kvcmas_bench.serving.queueing import ServiceRecord, simulate
-from kvcmas_bench.serving.sweep import percentile, serve_sweep
+from kvcmas_bench.serving.metrics import percentile
+from kvcmas_bench.serving.queueing import simulate
 from kvcmas_bench.serving.traces import CTX_SLOT, build_traces, load_traces, save_traces
 
 from .conftest import VOCAB, tiny_model
@@ -46,8 +48,9 @@ def one_thread():
 def tiny_lm():
     from kvcmas_bench.modeling import LoadedModel
 
-    return LoadedModel(model=tiny_model("llama", layers=2), tokenizer=FakeTokenizer(), name="tiny-llama",
-                       source="tests")
+    return LoadedModel(
+        model=tiny_model("llama", layers=2), tokenizer=FakeTokenizer(), name="tiny-llama", source="tests"
+    )
 
 
 def quiet():
@@ -70,7 +73,7 @@ def test_gamma_gaps_shape_by_method_of_moments(burstiness):
     g = gaps(60_000, qps=qps, burstiness=burstiness, seed=2)
     mean, var = g.mean(), g.var()
     assert mean == pytest.approx(1 / qps, rel=0.03)
-    assert mean**2 / var == pytest.approx(burstiness, rel=0.05)        # shape k = mean^2 / var
+    assert mean**2 / var == pytest.approx(burstiness, rel=0.05)  # shape k = mean^2 / var
     assert var / mean == pytest.approx(1 / (qps * burstiness), rel=0.05)  # scale = var / mean
 
 
@@ -102,14 +105,20 @@ def test_percentiles_equal_numpy():
 # ---- queue -------------------------------------------------------------------------------------------
 def test_queue_matches_hand_computed_example():
     # two trajectories of two agents; (ttft, e2e) measured in isolation
-    service = [[(1.0, 2.0), (0.5, 3.0)],   # T0: A0, A1
-               [(0.2, 1.0), (0.4, 2.0)]]   # T1: B0, B1
+    service = [
+        [(1.0, 2.0), (0.5, 3.0)],  # T0: A0, A1
+        [(0.2, 1.0), (0.4, 2.0)],
+    ]  # T1: B0, B1
     served = simulate(service, [0.0, 0.5])
     got = {(s.trajectory, s.agent_index): s for s in served}
     # A0 arrives 0, starts 0, first token 1, done 2. B0 arrived 0.5, waits, starts 2, done 3.
     # A1 arrives 2 (A0 done) but B0 arrived earlier (0.5): A1 starts 3, done 6. B1 arrives 3, starts 6, done 8.
-    expect = {(0, 0): (0.0, 0.0, 1.0, 2.0), (1, 0): (0.5, 2.0, 2.2, 3.0),
-              (0, 1): (2.0, 3.0, 3.5, 6.0), (1, 1): (3.0, 6.0, 6.4, 8.0)}
+    expect = {
+        (0, 0): (0.0, 0.0, 1.0, 2.0),
+        (1, 0): (0.5, 2.0, 2.2, 3.0),
+        (0, 1): (2.0, 3.0, 3.5, 6.0),
+        (1, 1): (3.0, 6.0, 6.4, 8.0),
+    }
     for k, (arr, start, first, done) in expect.items():
         s = got[k]
         assert (s.arrival_s, s.start_s, s.first_token_s, s.completion_s) == pytest.approx((arr, start, first, done))
@@ -133,7 +142,7 @@ def test_traces_have_the_specified_structure_and_lengths():
     outputs = {n: [5 + i] * 7 for i, n in enumerate(names)}
     for tr in trs:
         assert len(tr.context_ids) == 50 and tr.output_tokens == 7
-        for i, spec in enumerate(tr.agents):
+        for i in range(len(tr.agents)):
             req = tr.request(i, outputs)
             kinds = [(s.kind, s.slot) for s in req.segments]
             expect = [("PF", None), ("PH", CTX_SLOT)]
@@ -158,8 +167,8 @@ def test_traces_have_the_specified_structure_and_lengths():
 
 
 def test_replaying_a_saved_trace_gives_identical_requests(tmp_path, engine):
-    from kvcmas_bench.serving.backends import InProcessBackend
     from kvcmas_bench.methods import get_method
+    from kvcmas_bench.serving.backends import InProcessBackend
 
     tok = FakeTokenizer()
     trs = build_traces(tok, 2, shared_tokens=40, output_tokens=4, seed=1, calib_trajectories=1, texts=TEXTS)
@@ -171,16 +180,17 @@ def test_replaying_a_saved_trace_gives_identical_requests(tmp_path, engine):
     for a, b in zip(trs, back):
         for i in range(4):
             ra, rb = a.request(i, outputs), b.request(i, outputs)
-            assert [(s.kind, s.slot, s.ids, s.name) for s in ra.segments] == \
-                   [(s.kind, s.slot, s.ids, s.name) for s in rb.segments]
+            assert [(s.kind, s.slot, s.ids, s.name) for s in ra.segments] == [
+                (s.kind, s.slot, s.ids, s.name) for s in rb.segments
+            ]
             assert ra.max_new_tokens == rb.max_new_tokens
     # and the engine produces the same generated outputs from both
     backend = InProcessBackend(engine.model, tok)
     m = get_method("fullshared")
     ra = backend.run_trajectory(trs[0], m)
     rb = backend.run_trajectory(back[0], m)
-    assert [r.output_ids for r, _ in ra] == [r.output_ids for r, _ in rb]
-    assert all(len(r.output_ids) == 4 for r, _ in ra)  # EOS ignored: exactly output_tokens
+    assert [s.result.output_ids for s in ra.steps] == [s.result.output_ids for s in rb.steps]
+    assert all(len(s.result.output_ids) == 4 for s in ra.steps)  # EOS ignored: exactly output_tokens
     with pytest.raises(BenchError):
         load_traces(tmp_path / "missing.jsonl")
 
@@ -188,10 +198,29 @@ def test_replaying_a_saved_trace_gives_identical_requests(tmp_path, engine):
 # ---- end to end ----------------------------------------------------------------------------------
 def test_small_sweep_writes_summary_requests_and_plots(tmp_path, tiny_lm):
     out = tmp_path / "sweep"
-    summary = serve_sweep(["nonshared", "kvcmas"], [0, 2.0], [48], 3, str(out), model=tiny_lm, output_tokens=4,
-                          device="cpu", calib_trajectories=2, texts=TEXTS, console=quiet(), progress=lambda m: None)
-    for f in ("config.json", "traces.jsonl", "service.jsonl", "requests.jsonl", "summary.json",
-              "ttft_p50.png", "ttft_p90.png"):
+    summary = serve_sweep(
+        ["nonshared", "kvcmas"],
+        [0, 2.0],
+        [48],
+        3,
+        str(out),
+        model=tiny_lm,
+        output_tokens=4,
+        device="cpu",
+        calib_trajectories=2,
+        texts=TEXTS,
+        console=quiet(),
+        progress=lambda m: None,
+    )
+    for f in (
+        "config.json",
+        "traces.jsonl",
+        "service.jsonl",
+        "requests.jsonl",
+        "summary.json",
+        "ttft_p50.png",
+        "ttft_p90.png",
+    ):
         assert (out / f).exists(), f
     rows = summary["rows"]
     assert {(r["method"], r["qps"]) for r in rows} == {(m, q) for m in ("nonshared", "kvcmas") for q in (0.0, 2.0)}
@@ -212,21 +241,42 @@ def test_small_sweep_writes_summary_requests_and_plots(tmp_path, tiny_lm):
     # the agents after the first reuse something under KVCMAS only once the warm pools accept;
     # either way the shared segments are eligible and the first agent of each trajectory is dense
     svc = [json.loads(x) for x in (out / "service.jsonl").read_text().splitlines()]
-    assert all(s["reused_tokens"] == 0 for s in svc if s["agent_index"] == 0)
-    assert all(s["eligible_tokens"] > 0 for s in svc if s["agent_index"] > 0 and s["method"] == "kvcmas")
+    assert all(s["reused_tokens"] == 0 for s in svc if s["step"] == 0)
+    assert all(s["eligible_tokens"] > 0 for s in svc if s["step"] > 0 and s["method"] == "kvcmas")
 
     # re-running into the same directory reuses the measurements; other QPS values only re-sweep
-    from kvcmas_bench.serving.sweep import evaluate_service
+    from kvcmas_bench.jobs.sweep import evaluate_service
 
-    again = serve_sweep(["nonshared"], [1.0], [48], 3, str(out), model=tiny_lm, output_tokens=4, device="cpu",
-                        texts=TEXTS, console=quiet(), progress=lambda m: None)
+    again = serve_sweep(
+        ["nonshared"],
+        [1.0],
+        [48],
+        3,
+        str(out),
+        model=tiny_lm,
+        output_tokens=4,
+        device="cpu",
+        texts=TEXTS,
+        console=quiet(),
+        progress=lambda m: None,
+    )
     assert again["rows"][0]["service_e2e_mean_s"] == ns[0.0]["service_e2e_mean_s"]
     re = evaluate_service(str(out), [0.5, 4.0], console=quiet())
     assert {r["qps"] for r in re["rows"]} == {0.5, 4.0}
 
     # replay from the saved trace file
-    replay = serve_sweep(["fullshared"], [0], [], 2, str(tmp_path / "replay"), model=tiny_lm, output_tokens=4,
-                         traces_path=str(out / "traces.jsonl"), console=quiet(), progress=lambda m: None)
+    replay = serve_sweep(
+        ["fullshared"],
+        [0],
+        [],
+        2,
+        str(tmp_path / "replay"),
+        model=tiny_lm,
+        output_tokens=4,
+        traces_path=str(out / "traces.jsonl"),
+        console=quiet(),
+        progress=lambda m: None,
+    )
     assert replay["rows"][0]["n_trajectories"] == 2
 
 
@@ -235,8 +285,9 @@ def test_chained_plot_and_input_errors(tmp_path, tiny_lm):
     s = serve_sweep(["kvcmas", "kvcmas-nonchained"], [0, 1.0], [24], 1, str(tmp_path / "c"), **kw)
     assert "chained_ttft_p50.png" in s["plots"] and (tmp_path / "c" / "chained_ttft_p90.png").exists()
     # accumulated-output variant: 6 accumulated tokens = 2 per agent over a fixed 16-token context
-    a = serve_sweep(["nonshared"], [0], [6], 1, str(tmp_path / "a"), accumulated=True, context_tokens=16,
-                    plots=False, **kw)
+    a = serve_sweep(
+        ["nonshared"], [0], [6], 1, str(tmp_path / "a"), accumulated=True, context_tokens=16, plots=False, **kw
+    )
     assert a["rows"][0]["output_tokens_mean"] == 2 and a["accumulated"] is True
     with pytest.raises(BenchError, match="other traces"):
         serve_sweep(["nonshared"], [0], [7], 1, str(tmp_path / "a"), accumulated=True, context_tokens=16, **kw)
@@ -250,9 +301,9 @@ def test_chained_plot_and_input_errors(tmp_path, tiny_lm):
         serve_sweep(["nonshared"], [0], [16], 0, str(tmp_path / "e"), **kw)
 
 
-def test_service_record_roundtrip():
-    r = ServiceRecord("t", 0, "Reader", 0.1, 0.2, segments=[{"kind": "PF"}])
-    assert ServiceRecord.from_dict({**r.to_dict(), "method": "x"}) == r
+def test_request_record_roundtrip():
+    r = RequestRecord("Reader", 0.1, 0.2, trajectory="t", step=0, segments=[SegmentRecord(kind="PF", tokens=3)])
+    assert RequestRecord.from_dict(r.to_dict()) == r
 
 
 # ---- real model ----------------------------------------------------------------------------------
@@ -261,8 +312,19 @@ def test_real_model_sweep_nonshared_vs_kvcmas(tmp_path):
     from kvcmas_bench.modeling import load_model
 
     lm = load_model(None)
-    s = serve_sweep(["nonshared", "kvcmas"], [0, 4], [256], 2, str(tmp_path / "real"), model=lm, output_tokens=16,
-                    device="cpu", calib_trajectories=2, console=quiet(), progress=lambda m: None)
+    s = serve_sweep(
+        ["nonshared", "kvcmas"],
+        [0, 4],
+        [256],
+        2,
+        str(tmp_path / "real"),
+        model=lm,
+        output_tokens=16,
+        device="cpu",
+        calib_trajectories=2,
+        console=quiet(),
+        progress=lambda m: None,
+    )
     rows = {(r["method"], r["qps"]): r for r in s["rows"]}
     assert len(rows) == 4
     for r in rows.values():

@@ -22,7 +22,7 @@ def test_plan_shapes(topology, agents, rounds):
     final = nodes[-1]
     assert final.final and final.role == MMLU.final_role and sum(n.final for n in nodes) == 1
     for i, n in enumerate(nodes):
-        assert all(r < i for r in n.reads)            # reads only what already ran
+        assert all(r < i for r in n.reads)  # reads only what already ran
         assert set(n.reads) <= n.ancestors < set(range(i)) | {-1} or set(n.reads) <= n.ancestors
     if topology == "chain":
         assert len(nodes) == n_task * rounds + 1
@@ -34,7 +34,7 @@ def test_plan_shapes(topology, agents, rounds):
     elif topology == "fan-out":
         width = max(n_task - 1, 1)
         assert len(nodes) == 1 + width * rounds + 1
-        assert all(n.reads == [0] for n in nodes[1:1 + width])
+        assert all(n.reads == [0] for n in nodes[1 : 1 + width])
         assert len(final.reads) == (width + 1 if rounds == 1 else width)
     else:
         assert len(nodes) == n_task * rounds + 1
@@ -57,8 +57,7 @@ def _sample():
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("agents,rounds", [(2, 1), (4, 2), (8, 1)])
 def test_segments_and_nonshared_equal_whole_prompt_runs(tiny_engine, topology, agents, rounds):
-    flow = Workflow(tiny_engine, get_method("nonshared"), MMLU, 3, 2, topology=topology, agents=agents,
-                    rounds=rounds)
+    flow = Workflow(tiny_engine, get_method("nonshared"), MMLU, 3, 2, topology=topology, agents=agents, rounds=rounds)
     run = flow.run_sample(_sample())
     assert len(run.steps) == len(flow.nodes)
     q_ids = tiny_engine.tokenizer(_sample().query, add_special_tokens=False)["input_ids"]
@@ -69,28 +68,44 @@ def test_segments_and_nonshared_equal_whole_prompt_runs(tiny_engine, topology, a
         assert all(a.kind != b.kind for a, b in zip(segs, segs[1:]))  # PF and PH alternate
         ph = [s for s in segs if s.kind == "PH"]
         assert ph[0].slot == "q" and ph[0].ids == q_ids
-        expect = [f"out:{flow.nodes[r].id}" for r in node.reads
-                  if run.steps[r].result.output_ids]
+        expect = [f"out:{flow.nodes[r].id}" for r in node.reads if run.steps[r].result.output_ids]
         assert [s.slot for s in ph[1:]] == expect
         for s in ph[1:]:
             producer = next(i for i, n in enumerate(flow.nodes) if f"out:{n.id}" == s.slot)
             assert s.ids == run.steps[producer].result.output_ids
         ids = torch.tensor([step.request.prompt_ids])
-        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=step.request.max_new_tokens, pad_token_id=0)
-        ref = gen[0, ids.shape[1]:].tolist()
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=step.request.max_new_tokens,
+            pad_token_id=0,
+        )
+        ref = gen[0, ids.shape[1] :].tolist()
         eos = model.config.eos_token_id
         if eos in ref:
-            ref = ref[:ref.index(eos)]
+            ref = ref[: ref.index(eos)]
         assert step.result.output_ids == ref
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_every_method_runs_on_every_shape(tiny_model_dir, tmp_path, topology):
-    from kvcmas_bench.runner import RunOptions, run
+    from kvcmas_bench.jobs.run import RunOptions, run
 
     for name in sorted(METHODS):
-        s = run(RunOptions(method=name, model=tiny_model_dir, limit=1, output_path=str(tmp_path / f"{topology}-{name}"),
-                           device="cpu", max_new_tokens=2, final_max_new_tokens=2, topology=topology, agents=4,
-                           rounds=2, calib_samples=1))
+        s = run(
+            RunOptions(
+                method=name,
+                model=tiny_model_dir,
+                limit=1,
+                output_path=str(tmp_path / f"{topology}-{name}"),
+                device="cpu",
+                max_new_tokens=2,
+                final_max_new_tokens=2,
+                topology=topology,
+                agents=4,
+                rounds=2,
+                calib_samples=1,
+            )
+        )
         assert s["n"] == 1, name

@@ -20,8 +20,10 @@ from kvcmas_bench.workloads.gsm8k import GSM8K, extract_number, gold_answer, nor
 from kvcmas_bench.workloads.humaneval import HumanEval, entry_point_of, extract_code
 from kvcmas_bench.workloads.sandbox import STARTUP_S, kernel_filter_supported, run_program
 
-SUM_PROMPT = ('from typing import List\n\n\ndef total(xs: List[int]) -> int:\n'
-              '    """Sum of xs.\n    >>> total([1, 2])\n    3\n    """\n')
+SUM_PROMPT = (
+    "from typing import List\n\n\ndef total(xs: List[int]) -> int:\n"
+    '    """Sum of xs.\n    >>> total([1, 2])\n    3\n    """\n'
+)
 SUM_TEST = "def check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n"
 
 
@@ -70,40 +72,43 @@ def test_gsm8k_reference_solutions_extract_to_their_gold():
     assert all(extract_number(r["answer"]) == gold_answer(r["answer"]) for r in rows)
 
 
-@pytest.mark.parametrize("text,want", [
-    ("The answer is 18.", "18"),
-    ("Answer: 1,234 dollars", "1234"),
-    ("She pays $1,234.00 in total", "1234"),
-    ("It weighs 5kg", "5"),
-    ("12 dollars", "12"),
-    ("The answer is 3.50", "3.5"),
-    ("3.5", "3.5"),
-    ("The answer is 100.0", "100"),
-    ("\\boxed{42}", "42"),
-    ("\\boxed{\\$1,200 \\text{ dollars}}", "1200"),
-    ("#### 72", "72"),
-    ("The answer is -3", "-3"),
-    ("The temperature dropped to \u22127 degrees", "-7"),
-    ("x = -4", "-4"),
-    ("5 - 3 = 2", "2"),
-    ("(10 - 3)", "3"),
-    ("COVID-19", "19"),
-    ("The answer is: 10 - 3 = 7", "7"),
-    ("The answer is 18, because 3+4=7", "18"),
-    ("First 12, then 15. The answer is 14. Check: 14 + 1 = 15", "14"),
-    ("\\boxed{12}. On reflection, the answer is 13", "13"),
-    ("#### 5\nThe answer is 6 apples", "6"),
-    ("The answer is\n\n42", "42"),
-    ("It takes 3-4 hours", "4"),
-    ("He saves 50%", "50"),
-    ("answer is 007", "7"),
-    ("The answer is -0", "0"),
-    ("", None),
-    ("no number here", None),
-    ("```\n```", None),
-    ("\\boxed{}", None),
-    ("\\boxed{12", "12"),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("The answer is 18.", "18"),
+        ("Answer: 1,234 dollars", "1234"),
+        ("She pays $1,234.00 in total", "1234"),
+        ("It weighs 5kg", "5"),
+        ("12 dollars", "12"),
+        ("The answer is 3.50", "3.5"),
+        ("3.5", "3.5"),
+        ("The answer is 100.0", "100"),
+        ("\\boxed{42}", "42"),
+        ("\\boxed{\\$1,200 \\text{ dollars}}", "1200"),
+        ("#### 72", "72"),
+        ("The answer is -3", "-3"),
+        ("The temperature dropped to \u22127 degrees", "-7"),
+        ("x = -4", "-4"),
+        ("5 - 3 = 2", "2"),
+        ("(10 - 3)", "3"),
+        ("COVID-19", "19"),
+        ("The answer is: 10 - 3 = 7", "7"),
+        ("The answer is 18, because 3+4=7", "18"),
+        ("First 12, then 15. The answer is 14. Check: 14 + 1 = 15", "14"),
+        ("\\boxed{12}. On reflection, the answer is 13", "13"),
+        ("#### 5\nThe answer is 6 apples", "6"),
+        ("The answer is\n\n42", "42"),
+        ("It takes 3-4 hours", "4"),
+        ("He saves 50%", "50"),
+        ("answer is 007", "7"),
+        ("The answer is -0", "0"),
+        ("", None),
+        ("no number here", None),
+        ("```\n```", None),
+        ("\\boxed{}", None),
+        ("\\boxed{12", "12"),
+    ],
+)
 def test_extract_number(text, want):
     assert extract_number(text) == want
 
@@ -180,29 +185,43 @@ def test_humaneval_local_file_and_errors(tmp_path):
         HumanEval(data_path=str(tmp_path / "none.jsonl.gz")).load()
 
 
-@pytest.mark.parametrize("reply", [
-    "```python\ndef total(xs):\n    return sum(xs)\n```",
-    "Here it is:\n```\ndef total(xs: List[int]) -> int:\n    return sum(xs)\n```\nDone.",
-    "```Python3\nfrom typing import List\n\ndef total(xs: List[int]) -> int:\n    return sum(xs)\n\n"
-    "print(total([1, 2]))\nassert total([1]) == 5\nif __name__ == '__main__':\n    raise SystemExit(1)\n```",
-    "```python\ndef total(xs):\n    return sum(xs)\n",
-    "```py\ndef total(xs):\n    return sum(xs)\n\nThis sums the list",
-    "    return sum(xs)\n",
-    "    return sum(xs)\n\nThe function adds up the numbers.",
-    "Sure, here you go.\ndef total(xs):\n    return sum(xs)\n\nIt works because sum is linear.",
-    "```text\nexample\n```\n```python\n    def total(xs):\n        return sum(xs)\n```",
-    "```python\ndef helper(x):\n    return x\n```\nand\n"
-    "```python\ndef total(xs):\n    return sum(map(helper, xs))\n```",
-])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "```python\ndef total(xs):\n    return sum(xs)\n```",
+        "Here it is:\n```\ndef total(xs: List[int]) -> int:\n    return sum(xs)\n```\nDone.",
+        "```Python3\nfrom typing import List\n\ndef total(xs: List[int]) -> int:\n    return sum(xs)\n\n"
+        "print(total([1, 2]))\nassert total([1]) == 5\nif __name__ == '__main__':\n    raise SystemExit(1)\n```",
+        "```python\ndef total(xs):\n    return sum(xs)\n",
+        "```py\ndef total(xs):\n    return sum(xs)\n\nThis sums the list",
+        "    return sum(xs)\n",
+        "    return sum(xs)\n\nThe function adds up the numbers.",
+        "Sure, here you go.\ndef total(xs):\n    return sum(xs)\n\nIt works because sum is linear.",
+        "```text\nexample\n```\n```python\n    def total(xs):\n        return sum(xs)\n```",
+        "```python\ndef helper(x):\n    return x\n```\nand\n"
+        "```python\ndef total(xs):\n    return sum(map(helper, xs))\n```",
+    ],
+)
 def test_extract_code_finds_the_function(reply):
     code = extract_code(reply, SUM_PROMPT)
     assert code.startswith("from typing import List\n") and "print(" not in code and "assert" not in code
     assert run_program(he_program(code)) == (True, "passed")
 
 
-@pytest.mark.parametrize("reply", ["", "   \n", "no code at all", "```", "``````", "```python\n```",
-                                   "```python\n    return (\n", "```\ndef total(:\n```",
-                                   "def other():\n    return 1\n"])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "",
+        "   \n",
+        "no code at all",
+        "```",
+        "``````",
+        "```python\n```",
+        "```python\n    return (\n",
+        "```\ndef total(:\n```",
+        "def other():\n    return 1\n",
+    ],
+)
 def test_extract_code_on_malformed_replies_leaves_only_the_stub(reply):
     code = extract_code(reply, SUM_PROMPT)
     compile(code, "code", "exec")
@@ -322,11 +341,14 @@ def test_sandbox_memory_bomb_fails():
     assert not ok and result in ("failed: MemoryError", "timed out")
 
 
-@pytest.mark.parametrize("program", [
-    "import os\nwhile True:\n    os.fork()\n",
-    "import posix\nwhile True:\n    posix.fork()\n",
-    "import multiprocessing as mp\nwhile True:\n    mp.Process(target=print).start()\n",
-])
+@pytest.mark.parametrize(
+    "program",
+    [
+        "import os\nwhile True:\n    os.fork()\n",
+        "import posix\nwhile True:\n    posix.fork()\n",
+        "import multiprocessing as mp\nwhile True:\n    mp.Process(target=print).start()\n",
+    ],
+)
 def test_sandbox_fork_bomb_fails_and_leaves_nothing_behind(program):
     before = children()
     ok, result = run_program(program, timeout=2.0)

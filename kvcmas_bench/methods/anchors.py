@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..lowrank import truncated_svd
+from ..ops.lowrank import truncated_svd
 
 
 @dataclass(eq=False)
@@ -23,7 +23,7 @@ class Factor:
     b: torch.Tensor | None = None
 
     @classmethod
-    def make(cls, z: torch.Tensor, rank: int | None, dtype: torch.dtype | None = None) -> "Factor":
+    def make(cls, z: torch.Tensor, rank: int | None, dtype: torch.dtype | None = None) -> Factor:
         """Full copy (``rank=None``) or rank-``rank`` SVD factors, stored in ``dtype``."""
         dtype = dtype or z.dtype
         if rank is None:
@@ -78,9 +78,17 @@ class AnchorPool:
     def lengths(self, consumer: str) -> list[int]:
         return sorted((a.length for a in self.anchors if consumer in a.deltas), reverse=True)
 
-    def add(self, source_key: tuple, base_k: torch.Tensor, base_v: torch.Tensor, consumer: str,
-            delta_k: torch.Tensor, delta_v: torch.Tensor, rank: int | None,
-            dtype: torch.dtype | None = None) -> Anchor:
+    def add(
+        self,
+        source_key: tuple,
+        base_k: torch.Tensor,
+        base_v: torch.Tensor,
+        consumer: str,
+        delta_k: torch.Tensor,
+        delta_v: torch.Tensor,
+        rank: int | None,
+        dtype: torch.dtype | None = None,
+    ) -> Anchor:
         """Insert the observed correction; an anchor built from the same source gains a consumer."""
         dk, dv = Factor.make(delta_k, rank, dtype), Factor.make(delta_v, rank, dtype)
         for a in self.anchors:
@@ -89,8 +97,13 @@ class AnchorPool:
                 return a
         if len(self.anchors) >= self.capacity:
             self.evict()
-        anchor = Anchor(Factor.make(base_k, rank, dtype), Factor.make(base_v, rank, dtype), source_key, self.inserted,
-                        {consumer: (dk, dv)})
+        anchor = Anchor(
+            Factor.make(base_k, rank, dtype),
+            Factor.make(base_v, rank, dtype),
+            source_key,
+            self.inserted,
+            {consumer: (dk, dv)},
+        )
         self.inserted += 1
         self.anchors.append(anchor)
         return anchor

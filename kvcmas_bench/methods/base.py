@@ -5,23 +5,43 @@ For every shared (PH) segment of a target agent's request, the engine builds a
 materialized cache of the same slot if any, and handles to ask the engine for a dense prefill,
 a context-free reference, or deferred work) and asks the method for the segment's cache. What the
 method returns is written into the request's cache and becomes the source of the next edge.
-Methods with state (anchor pools, calibration tables) keep it on the dataclass and report its
-exact size through ``state_bytes``.
+
+Knobs are data: a method's init fields are its options (``knobs()``), each validated by the
+method itself in ``validate`` (raising :class:`~kvcmas_bench.errors.OptionError`). Fields marked
+``state()`` hold what the method learns (anchor pools, calibration tables): they are not options.
+Methods with state report its exact size through ``state_bytes``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 from ..engine import SegmentContext, SegmentKV
+from ..errors import OptionError
 
-METHODS: dict[str, type["Method"]] = {}
+METHODS: dict[str, type[Method]] = {}
 
 
-def register(cls: type["Method"]) -> type["Method"]:
+def register(cls: type[Method]) -> type[Method]:
     METHODS[cls.name] = cls
     return cls
+
+
+def state(default=dataclasses.MISSING, *, init: bool = False, **kw):
+    """A dataclass field holding learned state, not a user option (excluded from ``knobs()``)."""
+    if default is dataclasses.MISSING and "default_factory" not in kw:
+        raise TypeError("state() needs a default or a default_factory")
+    if default is not dataclasses.MISSING:
+        kw["default"] = default
+    return dataclasses.field(init=init, repr=False, metadata={"state": True}, **kw)
+
+
+def check(ok: bool, message: str) -> None:
+    """Raise the user-facing option error when ``ok`` is false."""
+    if not ok:
+        raise OptionError(message)
 
 
 @dataclass
@@ -32,8 +52,26 @@ class Method:
     needs_calibration: ClassVar[bool] = False
     #: calibration observations should include the context-free reference cache
     calibration_reference: ClassVar[bool] = False
+    #: learns across requests (anchor pools): warmed up on held-out units before measurement
+    learns_online: ClassVar[bool] = False
     #: residual-stream layers the engine keeps for agent outputs during decode (as sources)
     decode_hidden_layers: ClassVar[tuple[int, ...]] = ()
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the knobs' values; raise :class:`OptionError` with a message naming the knob."""
+
+    @classmethod
+    def knobs(cls) -> dict[str, dataclasses.Field]:
+        """The method's options: its init fields that are not learned state."""
+        return {f.name: f for f in dataclasses.fields(cls) if f.init and not f.metadata.get("state")}
+
+    @classmethod
+    def workload_defaults(cls, workload) -> dict:
+        """Knob defaults that depend on the workload (e.g. the paper's per-workload tau)."""
+        return {}
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
         """Return the cache of ``ctx.segment`` at ``ctx.start``. Default: dense prefill."""
@@ -47,6 +85,5 @@ class Method:
         return 0
 
     def config(self) -> dict:
-        from dataclasses import asdict
-
-        return {"name": self.name, **asdict(self)}
+        """Name and every init field (knobs and settable state), as recorded in ``config.json``."""
+        return {"name": self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}}

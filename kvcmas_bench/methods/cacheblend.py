@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import SegmentContext, SegmentKV
-from .base import Method, register
-from .selection import n_selected_tokens, token_deviation, top_tokens
+from ..errors import OptionError
+from ..ops.selection import n_selected_tokens, token_deviation, top_tokens
+from .base import Method, check, register
 
 
 def reuse_as_is(ctx: SegmentContext) -> SegmentKV:
@@ -53,20 +54,17 @@ class CacheBlend(Method):
     check_layer: int = 1
     score_on: str = "k"
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.rho <= 1.0:
-            raise ValueError(f"rho must be in [0, 1], got {self.rho}")
-        if self.check_layer < 0:
-            raise ValueError(f"check_layer must be >= 0, got {self.check_layer}")
-        if self.score_on not in ("k", "v"):
-            raise ValueError(f"score_on must be 'k' or 'v', got {self.score_on!r}")
+    def validate(self) -> None:
+        check(0.0 <= self.rho <= 1.0, f"--rho must lie in [0, 1], got {self.rho}")
+        check(self.check_layer >= 0, f"check_layer must be >= 0, got {self.check_layer}")
+        check(self.score_on in ("k", "v"), f"score_on must be 'k' or 'v', got {self.score_on!r}")
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
         if ctx.source is None:
             return ctx.dense()
         S, L, c = ctx.length, ctx.engine.n_layers, self.check_layer
         if c >= L:
-            raise ValueError(f"check_layer {c} outside the model's {L} layers")
+            raise OptionError(f"check_layer {c} outside the model's {L} layers")
         n = n_selected_tokens(self.rho, S)
         if n == 0:
             return reuse_as_is(ctx)
@@ -75,7 +73,7 @@ class CacheBlend(Method):
         rows = torch.arange(S, device=ctx.engine.device)
         h, _ = ctx.forward(ctx.embed(), rows, range(0, c + 1))
         store = ctx.cache.k if self.score_on == "k" else ctx.cache.v
-        new = store[c, :, ctx.start:ctx.start + S]
+        new = store[c, :, ctx.start : ctx.start + S]
         score = token_deviation(new, (old.k if self.score_on == "k" else old.v)[c])
         sel = top_tokens(score, n).to(ctx.engine.device)
         if c + 1 < L:

@@ -13,17 +13,25 @@ stored and corrected in canonical (position-0) coordinates and rotated to the ta
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..engine import SegmentContext, SegmentKV
-from ..lowrank import (canonical_keys, from_rows, gate_entropy, to_rows, token_sqdist, token_weights,
-                       weighted_lowrank)
-from ..kvmath import shift_keys
+from ..ops.kvmath import shift_keys
+from ..ops.lowrank import (
+    canonical_keys,
+    from_rows,
+    gate_entropy,
+    to_rows,
+    token_sqdist,
+    token_weights,
+    weighted_lowrank,
+)
 from .anchors import Anchor, AnchorPool
-from .base import Method
+from .base import Method, check, state
 
 
 def stack_factors(factors: list, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,17 +69,31 @@ class OnlineDeltaCorrection(Method):
     #: storage/GEMM dtype of anchor states: None = the model's dtype; "bfloat16" halves their
     #: memory and runs the gate/weight/apply GEMMs in bf16 (reductions stay in float32)
     anchor_dtype: str | None = None
-    pools: dict[str, AnchorPool] = field(default_factory=dict, repr=False)
-    stats: dict[str, int] = field(default_factory=dict, repr=False)
-    entropies: list[tuple[float, int]] = field(default_factory=list, repr=False)
-    references: dict[tuple, SegmentKV] = field(default_factory=dict, repr=False)
+    pools: dict[str, AnchorPool] = state(default_factory=dict)
+    stats: dict[str, int] = state(default_factory=dict)
+    entropies: list[tuple[float, int]] = state(default_factory=list)
+    references: dict[tuple, SegmentKV] = state(default_factory=dict)
 
     max_references: ClassVar[int] = 16
+    learns_online = True
 
-    def config(self) -> dict:
-        return {"name": self.name, "anchors": self.anchors, "tau": self.tau, "rank": self.rank,
-                "temperature": self.temperature, "chained": self.chained, "exact_layer0": self.exact_layer0,
-                "activation_top_p": self.activation_top_p, "anchor_dtype": self.anchor_dtype}
+    def validate(self) -> None:
+        check(self.anchors >= 1, f"--anchors must be a positive integer, got {self.anchors}")
+        check(0.0 <= self.tau <= 1.0, f"--tau must lie in [0, 1], got {self.tau}")
+        check(self.rank is None or self.rank >= 1, f"--rank must be a positive integer, got {self.rank}")
+        check(
+            self.temperature > 0 and math.isfinite(self.temperature),
+            f"temperature must be a positive number, got {self.temperature}",
+        )
+        check(0.0 < self.activation_top_p <= 1.0, f"activation_top_p must lie in (0, 1], got {self.activation_top_p}")
+        check(
+            self.anchor_dtype in (None, "bfloat16", "float16", "float32"),
+            f"--anchor-dtype must be bfloat16, float16 or float32, got {self.anchor_dtype!r}",
+        )
+
+    @classmethod
+    def workload_defaults(cls, workload) -> dict:
+        return {"tau": workload.default_tau}
 
     def _count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n
@@ -165,8 +187,9 @@ class OnlineDeltaCorrection(Method):
         return torch.stack([(x.float() - b.rows(k).float()).abs().mean(dim=(0, 2)) for b in bases])
 
     # ---- Eq. 8 ---------------------------------------------------------------------------------
-    def correct(self, ctx: SegmentContext, dec: GateDecision, ref_k: torch.Tensor,
-                ref_v: torch.Tensor) -> SegmentKV | None:
+    def correct(
+        self, ctx: SegmentContext, dec: GateDecision, ref_k: torch.Tensor, ref_v: torch.Tensor
+    ) -> SegmentKV | None:
         """``align(C_ref) + sum_v w_v A_v B_v`` on the covered prefix, aligned rows beyond it."""
         k = dec.k
         out_k, out_v = ref_k.clone(), ref_v.clone()
@@ -184,8 +207,7 @@ class OnlineDeltaCorrection(Method):
             return None
         heads = ctx.engine.n_kv
         kk = shift_keys(from_rows(out_k, heads), ctx.start, ctx.engine.inv_freq)
-        kv = SegmentKV(k=kk, v=from_rows(out_v, heads), start=ctx.start, ids=tuple(ctx.segment.ids),
-                       status="corrected")
+        kv = SegmentKV(k=kk, v=from_rows(out_v, heads), start=ctx.start, ids=tuple(ctx.segment.ids), status="corrected")
         if self.exact_layer0:
             ctx.write(kv)
             ctx.forward(ctx.embed(), range(ctx.length), [0], count=False)
@@ -193,8 +215,16 @@ class OnlineDeltaCorrection(Method):
         return kv
 
     # ---- Eq. 12 --------------------------------------------------------------------------------
-    def insert(self, pool: AnchorPool, source_key: tuple, ref_k: torch.Tensor, ref_v: torch.Tensor,
-               consumer: str, exact: SegmentKV, inv_freq: torch.Tensor) -> None:
+    def insert(
+        self,
+        pool: AnchorPool,
+        source_key: tuple,
+        ref_k: torch.Tensor,
+        ref_v: torch.Tensor,
+        consumer: str,
+        exact: SegmentKV,
+        inv_freq: torch.Tensor,
+    ) -> None:
         """New anchor from a dense fallback: base = C_ref, Delta = C_j - align(C_ref) (canonical)."""
         ex_k = to_rows(canonical_keys(exact.k, exact.start, inv_freq))
         ex_v = to_rows(exact.v)

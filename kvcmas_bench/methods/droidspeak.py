@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import SegmentContext, SegmentKV
-from ..errors import BenchError
-from .base import Method, register
+from ..errors import BenchError, OptionError
+from ..ops.selection import choose_layer_groups, n_selected_layers, profile_layer_deviation
+from .base import Method, check, register, state
 from .cacheblend import reuse_as_is
-from .selection import choose_layer_groups, n_selected_layers, profile_layer_deviation
 
 
 def source_hidden(ctx: SegmentContext, layers) -> dict[int, torch.Tensor]:
@@ -77,19 +77,21 @@ class DroidSpeak(Method):
     rho: float = 0.9
     max_groups: int | None = 1
     #: calibrated state: recomputed layer groups [(a, b), ...] (recorded in the run config)
-    groups: tuple[tuple[int, int], ...] = ()
+    groups: tuple[tuple[int, int], ...] = state((), init=True)
     #: calibrated per-layer deviation profile (not a field: float noise must not block a resume)
     layer_deviation = ()
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.rho <= 1.0:
-            raise ValueError(f"rho must be in [0, 1], got {self.rho}")
-        if self.max_groups is not None and self.max_groups < 1:
-            raise ValueError(f"max_groups must be >= 1 or None, got {self.max_groups}")
+    def validate(self) -> None:
+        check(0.0 <= self.rho <= 1.0, f"--rho must lie in [0, 1], got {self.rho}")
+        check(
+            self.max_groups is None or self.max_groups >= 1, f"max_groups must be >= 1 or none, got {self.max_groups}"
+        )
         self.groups = tuple(sorted((int(a), int(b)) for a, b in self.groups))
         for i, (a, b) in enumerate(self.groups):
-            if not 0 <= a < b or (i and a < self.groups[i - 1][1]):
-                raise ValueError(f"layer groups must be disjoint, non-empty [a, b): {self.groups}")
+            check(
+                0 <= a < b and not (i and a < self.groups[i - 1][1]),
+                f"layer groups must be disjoint, non-empty [a, b): {self.groups}",
+            )
 
     @property
     def decode_hidden_layers(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -115,7 +117,7 @@ class DroidSpeak(Method):
             return reuse_as_is(ctx)
         L = ctx.engine.n_layers
         if self.groups[-1][1] > L:
-            raise ValueError(f"layer group {self.groups[-1]} outside the model's {L} layers")
+            raise OptionError(f"layer group {self.groups[-1]} outside the model's {L} layers")
         ctx.write(ctx.aligned_source())
         rows = torch.arange(ctx.length, device=ctx.engine.device)
         hid = source_hidden(ctx, starts)
@@ -124,8 +126,7 @@ class DroidSpeak(Method):
         own: dict[int, torch.Tensor] = {}
         if missing:
             done = max(missing)
-            _, own = ctx.forward(ctx.embed(), rows, range(0, done),
-                                 keep_hidden=[a for a in starts if a < done])
+            _, own = ctx.forward(ctx.embed(), rows, range(0, done), keep_hidden=[a for a in starts if a < done])
         for a, b in self.groups:
             if b <= done:
                 continue

@@ -17,14 +17,14 @@ reference unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..engine import SegmentContext, SegmentKV
-from ..kvmath import shift_keys
-from ..lowrank import canonical_keys
-from .base import Method, register
+from ..ops.kvmath import shift_keys
+from ..ops.lowrank import canonical_keys
+from .base import Method, register, state
 
 
 @register
@@ -34,8 +34,8 @@ class GraphFlow(Method):
     summary = "calibrated per-(slot, agent) mean corrections on a context-free reference"
     needs_calibration = True
     calibration_reference = True
-    corrections: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
-    references: dict[tuple, SegmentKV] = field(default_factory=dict, repr=False)
+    corrections: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = state(default_factory=dict)
+    references: dict[tuple, SegmentKV] = state(default_factory=dict)
 
     def config(self) -> dict:
         return {"name": self.name, "relations": sorted(f"{s}->{a}" for s, a in self.corrections)}
@@ -48,14 +48,18 @@ class GraphFlow(Method):
             S = dk.shape[2]
             acc = sums.get((ob.slot, ob.agent))
             if acc is None or acc[0].shape[2] < S:
-                acc = [_grow(acc[0] if acc else None, dk, S), _grow(acc[1] if acc else None, dv, S),
-                       _grow(acc[2] if acc else None, torch.zeros(S), S)]
+                acc = [
+                    _grow(acc[0] if acc else None, dk, S),
+                    _grow(acc[1] if acc else None, dv, S),
+                    _grow(acc[2] if acc else None, torch.zeros(S), S),
+                ]
                 sums[(ob.slot, ob.agent)] = acc
             acc[0][:, :, :S] += dk
             acc[1][:, :, :S] += dv
             acc[2][:S] += 1
-        self.corrections = {rel: (k / c[None, None, :, None], v / c[None, None, :, None])
-                            for rel, (k, v, c) in sums.items()}
+        self.corrections = {
+            rel: (k / c[None, None, :, None], v / c[None, None, :, None]) for rel, (k, v, c) in sums.items()
+        }
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
         key = (ctx.slot, tuple(ctx.segment.ids))
@@ -70,8 +74,13 @@ class GraphFlow(Method):
             n = min(ctx.length, corr[0].shape[2])
             k[:, :, :n] += corr[0][:, :, :n].to(k.dtype)
             v[:, :, :n] += corr[1][:, :, :n].to(v.dtype)
-        return SegmentKV(k=shift_keys(k, ctx.start, ctx.engine.inv_freq), v=v, start=ctx.start,
-                         ids=tuple(ctx.segment.ids), status="corrected")
+        return SegmentKV(
+            k=shift_keys(k, ctx.start, ctx.engine.inv_freq),
+            v=v,
+            start=ctx.start,
+            ids=tuple(ctx.segment.ids),
+            status="corrected",
+        )
 
     def state_bytes(self) -> int:
         n = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.corrections.values())

@@ -8,11 +8,19 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import SegmentContext, SegmentKV
-from .base import Method, register
+from ..errors import OptionError
+from ..ops.selection import (
+    attention_mass,
+    choose_layer_groups,
+    n_selected_layers,
+    n_tokens_in_range,
+    normalize,
+    token_deviation,
+    top_tokens,
+)
+from .base import Method, check, register, state
 from .cacheblend import reuse_as_is
 from .droidspeak import calibration_profile, source_hidden
-from .selection import (attention_mass, choose_layer_groups, n_selected_layers, n_tokens_in_range,
-                        normalize, token_deviation, top_tokens)
 
 
 @register
@@ -63,21 +71,17 @@ class RelayCaching(Method):
     check_layer: int = 1
     range_fraction: float = 0.5
     #: calibrated state: critical layer range [a, b) (recorded in the run config)
-    critical: tuple[int, int] | None = None
+    critical: tuple[int, int] | None = state(None, init=True)
     #: calibrated per-layer deviation profile (not a field: float noise must not block a resume)
     layer_deviation = ()
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.rho <= 1.0:
-            raise ValueError(f"rho must be in [0, 1], got {self.rho}")
-        if self.check_layer < 0:
-            raise ValueError(f"check_layer must be >= 0, got {self.check_layer}")
-        if not 0.0 < self.range_fraction <= 1.0:
-            raise ValueError(f"range_fraction must be in (0, 1], got {self.range_fraction}")
+    def validate(self) -> None:
+        check(0.0 <= self.rho <= 1.0, f"--rho must lie in [0, 1], got {self.rho}")
+        check(self.check_layer >= 0, f"check_layer must be >= 0, got {self.check_layer}")
+        check(0.0 < self.range_fraction <= 1.0, f"range_fraction must lie in (0, 1], got {self.range_fraction}")
         if self.critical is not None:
             a, b = (int(x) for x in self.critical)
-            if not 0 <= a < b:
-                raise ValueError(f"bad critical layer range {self.critical}")
+            check(0 <= a < b, f"bad critical layer range {self.critical}")
             self.critical = (a, b)
 
     @property
@@ -103,7 +107,7 @@ class RelayCaching(Method):
             self.critical = None
             return
         width = min(n_layers - 2, max(1, n_selected_layers(1.0 - self.range_fraction, n_layers)))
-        (a, b), = choose_layer_groups(dev, width, max_groups=1, lo=1, hi=n_layers - 1)
+        ((a, b),) = choose_layer_groups(dev, width, max_groups=1, lo=1, hi=n_layers - 1)
         self.critical = (a, b)
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
@@ -115,7 +119,7 @@ class RelayCaching(Method):
         S, L, c = ctx.length, ctx.engine.n_layers, self.check_layer
         a, b = self.critical
         if b > L or c >= L:
-            raise ValueError(f"critical range {self.critical} / check layer {c} outside {L} layers")
+            raise OptionError(f"critical range {self.critical} / check layer {c} outside {L} layers")
         n = n_tokens_in_range(self.rho, S, L, b - a)
         if n == 0:
             return reuse_as_is(ctx)
@@ -130,7 +134,7 @@ class RelayCaching(Method):
 
         rows = torch.arange(S, device=ctx.engine.device)
         h, _ = ctx.forward(ctx.embed(), rows, range(0, c + 1), attn_probe=probe)
-        dev = token_deviation(ctx.cache.k[c, :, start:start + S], old.k[c])
+        dev = token_deviation(ctx.cache.k[c, :, start : start + S], old.k[c])
         score = normalize(dev) * normalize(att["mass"].to(dev.device))
         sel = top_tokens(score, n).to(ctx.engine.device)
         hid = source_hidden(ctx, keep)

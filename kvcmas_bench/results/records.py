@@ -13,11 +13,26 @@ import os
 from pathlib import Path
 
 from ..errors import BenchError
+from .request import RequestRecord
 
 # Config keys that must match for a resume: changing them would mix incomparable results.
-RESUME_KEYS = ("method", "method_config", "workload", "model", "dtype", "seed", "subjects",
-               "max_new_tokens", "final_max_new_tokens", "data_path", "fidelity", "topology", "n_agents",
-               "rounds", "target_reuse")
+RESUME_KEYS = (
+    "method",
+    "method_config",
+    "workload",
+    "model",
+    "dtype",
+    "seed",
+    "subjects",
+    "max_new_tokens",
+    "final_max_new_tokens",
+    "data_path",
+    "fidelity",
+    "topology",
+    "n_agents",
+    "rounds",
+    "target_reuse",
+)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -72,25 +87,27 @@ class RunDir:
                 raise BenchError(f"{self.config_path} is not valid JSON; use another --output-path") from None
             diff = [k for k in RESUME_KEYS if old.get(k) != config.get(k)]
             if diff:
-                raise BenchError(f"{self.path} holds a run with a different {diff[0]} "
-                                 f"({old.get(diff[0])!r} vs {config.get(diff[0])!r}); use another --output-path")
+                raise BenchError(
+                    f"{self.path} holds a run with a different {diff[0]} "
+                    f"({old.get(diff[0])!r} vs {config.get(diff[0])!r}); use another --output-path"
+                )
         self.samples = _read_jsonl(self.samples_path)
         done = {s["sample_id"] for s in self.samples}
         self.samples = list({s["sample_id"]: s for s in self.samples}.values())
         requests = [r for r in _read_jsonl(self.requests_path) if r.get("sample_id") in done]
         _write_jsonl(self.samples_path, self.samples)
         _write_jsonl(self.requests_path, requests)
-        self.requests = requests
+        self.requests = [RequestRecord.from_dict(r) for r in requests]
         write_json(self.config_path, config)
 
     @property
     def done_ids(self) -> set[str]:
         return {s["sample_id"] for s in self.samples}
 
-    def append(self, sample: dict, requests: list[dict]) -> None:
+    def append(self, sample: dict, requests: list[RequestRecord]) -> None:
         with open(self.requests_path, "a", encoding="utf-8") as f:
             for r in requests:
-                f.write(json.dumps(r) + "\n")
+                f.write(json.dumps(r.to_dict()) + "\n")
             f.flush()
             os.fsync(f.fileno())
         with open(self.samples_path, "a", encoding="utf-8") as f:

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import pandas as pd
+
+from .request import RequestRecord
 
 
 def _mean(series) -> float | None:
     return None if len(series) == 0 else float(series.mean())
 
 
-def summarize(samples: list[dict], requests: list[dict], meta: dict) -> dict:
+def records_frame(requests: list[RequestRecord]) -> pd.DataFrame:
+    """One row per request record, every declared field a column (segments as lists of dicts)."""
+    return pd.DataFrame([asdict(r) for r in requests])
+
+
+def summarize(samples: list[dict], requests: list[RequestRecord], meta: dict) -> dict:
     """Accuracy, latency, TTFT, memory and reuse ratio of a run, overall and per agent."""
     s = pd.DataFrame(samples)
-    r = pd.DataFrame(requests)
+    r = records_frame(requests)
     out = {**meta, "n": len(s)}
     if s.empty:
         return out
@@ -36,16 +44,21 @@ def summarize(samples: list[dict], requests: list[dict], meta: dict) -> dict:
         out["recomputed_token_layers"] = int(r["recomputed_token_layers"].sum())
         out["reuse_ratio"] = reuse_ratio(r)
         out["per_agent"] = {
-            agent: {"ttft_s": float(g["ttft_s"].mean()), "e2e_s": float(g["e2e_s"].mean()),
-                    "reuse_ratio": reuse_ratio(g)}
+            agent: {
+                "ttft_s": float(g["ttft_s"].mean()),
+                "e2e_s": float(g["e2e_s"].mean()),
+                "reuse_ratio": reuse_ratio(g),
+            }
             for agent, g in r.groupby("agent", sort=False)
         }
         out["per_slot"] = per_slot_reuse(r)
         fid = r.dropna(subset=["first_token_kl"]) if "first_token_kl" in r else r.iloc[0:0]
         if not fid.empty:
-            out["fidelity"] = {"top1_agree": float(fid["top1_agree"].mean()),
-                               "first_token_kl": float(fid["first_token_kl"].mean()),
-                               "kv_rel_error": _mean(fid["kv_rel_error"].dropna())}
+            out["fidelity"] = {
+                "top1_agree": float(fid["top1_agree"].mean()),
+                "first_token_kl": float(fid["first_token_kl"].mean()),
+                "kv_rel_error": _mean(fid["kv_rel_error"].dropna()),
+            }
     return out
 
 
@@ -61,10 +74,18 @@ def reuse_ratio(r: pd.DataFrame) -> float | None:
 
 def per_slot_reuse(r: pd.DataFrame) -> dict:
     """rho per shared slot, from the per-segment records of the requests."""
-    rows = [{"slot": s["slot"], "tokens": s["tokens"], "reused": s.get("reused_tokens", 0),
-             "recomputed": s.get("recomputed_token_layers", 0), "layers": layers}
-            for segs, layers in zip(r["segments"], r["layers"]) for s in segs
-            if s.get("kind") == "PH" and s.get("eligible")]
+    rows = [
+        {
+            "slot": s["slot"],
+            "tokens": s["tokens"],
+            "reused": s.get("reused_tokens", 0),
+            "recomputed": s.get("recomputed_token_layers", 0),
+            "layers": layers,
+        }
+        for segs, layers in zip(r["segments"], r["layers"])
+        for s in segs
+        if s.get("kind") == "PH" and s.get("eligible")
+    ]
     if not rows:
         return {}
     df = pd.DataFrame(rows)

@@ -1,41 +1,122 @@
-"""Backends that execute trace requests and report measured service times.
+"""Serving backends as plugins: a registry of engines that serve traces and return timelines.
 
-:class:`InProcessBackend` runs every request on the package's own :class:`~kvcmas_bench.engine.Engine`,
-one request at a time, sources chained as in :class:`~kvcmas_bench.workflow.Workflow` (chain): the
-source of a shared slot is the cache that the most recent agent of the same trajectory materialized
-for it (so ``ctx`` chains agent 0 -> 1 -> 2 -> 3) and the source of ``out:<agent k>`` is agent
-``k``'s decode cache of its output (``output_kv``). The first agent has no source and prefills
-densely. Nothing crosses trajectories except the method's own state (anchor pools, references,
-calibration tables).
+A backend takes a method, the evaluated trajectories and an arrival schedule per QPS, and returns
+*served timelines*: every request with its arrival, first-token and completion times
+(:class:`ServeResult`). How it gets them is its own business: the in-process backend measures
+every request once, in isolation, on :class:`~kvcmas_bench.engine.Engine` and replays those
+service times on a virtual-clock FCFS server (:func:`~.queueing.replay`); a batching engine serves
+the arrivals for real. Register a new one with :func:`register_backend`; ``serve-sweep --engine``
+picks it by name.
 """
 
 from __future__ import annotations
 
 import gc
-from dataclasses import fields
-from typing import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..engine import Engine, RequestResult, SegmentKV
+from ..engine import Engine
 from ..errors import BenchError
-from .queueing import ServiceRecord
-from .traces import Trace, out_slot
+from ..methods import Method, MethodSpec
+from ..results.request import RequestRecord
+from ..workflow import Node, UnitRun, execute, request_records
+from ..workloads.base import Role
+from .queueing import SERVER_MODEL, replay
+from .traces import Trace
+
+#: a QPS value -> trajectory start times (None: single stream, each trajectory after the last)
+Schedules = Mapping[float, Sequence[float] | None]
 
 
-def method_kwargs(name: str, args: dict | None) -> dict:
-    """User overrides (tau, rank, anchors, rho, ...) that apply to method ``name``; None = default."""
-    from ..methods import METHODS
+@dataclass
+class ServeResult:
+    """What a backend returns for one method on one set of trajectories."""
 
-    if not args:
-        return {}
-    known = {f.name for f in fields(METHODS[name])}
-    return {k: v for k, v in args.items() if v is not None and k in known}
+    #: per QPS value: every request of every trajectory, timeline fields set
+    timelines: dict[float, list[RequestRecord]]
+    #: isolated measurements ``[trajectory][agent]`` when the backend replays them (else None)
+    service: list[list[RequestRecord]] | None = None
 
 
-def has_online_state(method) -> bool:
-    """Whether the method learns online across requests (KVCMAS/KVComm anchor pools)."""
-    return hasattr(method, "pools")
+@runtime_checkable
+class Backend(Protocol):
+    """An engine that serves trace requests.
+
+    ``prepare`` builds the method from ``spec`` (calibrating it on the held-out ``calibration``
+    trajectories when it needs it, and warming it up); ``serve`` returns the served timelines.
+    ``describe`` goes into the sweep's config (it must hold ``device``). ``tokenizer`` builds the
+    traces; ``max_positions`` and ``vocab_size`` (None if unknown) bound them. Backends with
+    ``replays_service = True`` also return isolated measurements and provide ``replay(service,
+    schedules)``, so a resumed sweep or a re-sweep at other QPS needs no model.
+    """
+
+    name: str
+    server: str
+    replays_service: bool
+    model_name: str | None
+    model_source: str | None
+    tokenizer: object
+    max_positions: int | None
+    vocab_size: int | None
+
+    def describe(self) -> dict: ...
+
+    def prepare(self, spec: MethodSpec, calibration: Sequence[Trace]) -> Method: ...
+
+    def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult: ...
+
+
+BACKENDS: dict[str, Callable[..., Backend]] = {}
+
+
+def register_backend(name: str):
+    """Register ``factory(model=None, device="auto", dtype="float32", ignore_eos=True, warmup=True)``."""
+
+    def deco(factory: Callable[..., Backend]) -> Callable[..., Backend]:
+        BACKENDS[name] = factory
+        return factory
+
+    return deco
+
+
+def get_backend(name: str, **options) -> Backend:
+    if name not in BACKENDS:
+        raise BenchError(f"unknown --engine {name!r}; available: {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name](**options)
+
+
+def replay_all(service: list[list[RequestRecord]], schedules: Schedules) -> dict[float, list[RequestRecord]]:
+    return {q: replay(service, None if arr is None else list(arr), q) for q, arr in schedules.items()}
+
+
+# ---- the in-process engine -------------------------------------------------------------------------
+def trace_nodes(trace: Trace) -> list[Node]:
+    """A trajectory as an agent graph: a chain in which every agent reads every earlier output.
+    Node ids are the agent names, so ``out:<agent>`` slots match the trace's segment specs; the
+    roles' text is already inside the trace's PF ids."""
+    return [
+        Node(a.name, Role(a.name, "", ""), list(range(i)), set(range(i)), final=i == len(trace.agents) - 1)
+        for i, a in enumerate(trace.agents)
+    ]
+
+
+class TraceFlow:
+    """Runs serving trajectories through the one executor (:func:`~kvcmas_bench.workflow.execute`)."""
+
+    def __init__(self, engine: Engine, method, fidelity: bool = False):
+        self.engine = engine
+        self.method = method
+        self.fidelity = fidelity
+
+    def run_unit(self, trace: Trace) -> UnitRun:
+        def build(idx, node, sources, outputs):
+            return trace.request(idx, outputs, {slot: kv.agent for slot, kv in sources.items()})
+
+        steps = execute(self.engine, self.method, trace_nodes(trace), build, self.fidelity, decode=lambda ids: "")
+        return UnitRun(trace.id, steps)
 
 
 def reset_peaks(engine: Engine) -> bool:
@@ -57,14 +138,27 @@ def reset_peaks(engine: Engine) -> bool:
 
 
 class InProcessBackend:
-    """Measure each request for real on the in-process engine (one request at a time)."""
+    """Measure each request for real on the in-process engine (one request at a time), then replay
+    the measured service times under every arrival schedule."""
 
     name = "in-process"
+    server = SERVER_MODEL
+    replays_service = True
 
-    def __init__(self, model: torch.nn.Module, tokenizer=None, ignore_eos: bool = True, warmup: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        ignore_eos: bool = True,
+        warmup: bool = True,
+        model_name: str | None = None,
+        model_source: str | None = None,
+    ):
         self.engine = Engine(model, tokenizer)
         self.ignore_eos = ignore_eos
         self.warmup = warmup
+        self.model_name = model_name
+        self.model_source = model_source
         if ignore_eos:
             # like `vllm bench serve --ignore-eos`: every agent decodes exactly max_new_tokens
             self.engine.eos_ids = set()
@@ -83,52 +177,40 @@ class InProcessBackend:
         return getattr(self.engine.config, "vocab_size", None)
 
     def describe(self) -> dict:
-        return {"name": self.name, "engine": "kvcmas_bench.engine.Engine (one request at a time)",
-                "device": str(self.engine.device), "dtype": str(self.engine.dtype).replace("torch.", ""),
-                "ignore_eos": self.ignore_eos, "warmup": self.warmup, "prefix_caching": False,
-                "decoding": "greedy", "rss_peak_reset_per_method": self.rss_reset}
+        return {
+            "name": self.name,
+            "engine": "kvcmas_bench.engine.Engine (one request at a time)",
+            "device": str(self.engine.device),
+            "dtype": str(self.engine.dtype).replace("torch.", ""),
+            "ignore_eos": self.ignore_eos,
+            "warmup": self.warmup,
+            "prefix_caching": False,
+            "decoding": "greedy",
+            "rss_peak_reset_per_method": self.rss_reset,
+        }
 
-    def run_trajectory(self, trace: Trace, method) -> list[tuple[RequestResult, int]]:
-        """Run the trajectory's agents in order; returns (result, shared-store bytes) per agent."""
-        store: dict[str, SegmentKV] = {}
-        outputs: dict[str, list[int]] = {}
-        results = []
-        for i, spec in enumerate(trace.agents):
-            sources = {slot: kv.agent for slot, kv in store.items()}
-            req = trace.request(i, outputs, sources)
-            res = self.engine.run(req, method, sources=dict(store))
-            store.update(res.materialized)
-            if res.output_kv is not None:
-                res.output_kv.slot = out_slot(spec.name)
-                store[out_slot(spec.name)] = res.output_kv
-            outputs[spec.name] = list(res.output_ids)
-            results.append((res, sum(kv.nbytes for kv in store.values())))
-        return results
+    def run_trajectory(self, trace: Trace, method) -> UnitRun:
+        return TraceFlow(self.engine, method).run_unit(trace)
 
-    def prepare(self, method: str, calibration: Sequence[Trace], method_args: dict | None = None):
+    def prepare(self, spec: MethodSpec, calibration: Sequence[Trace]) -> Method:
         """A fresh method instance: calibrated on ``calibration`` when it needs it, then warmed up.
 
         Warm-up (unmeasured): methods with online state (anchor pools) run all held-out
         trajectories so their pools do not start empty; every other method runs one request so
         one-off initialisation stays out of the timings.
         """
-        from ..methods import get_method
+        from ..calibration import collect
 
-        m = get_method(method, **method_kwargs(method, method_args))
+        m = spec()
         if m.needs_calibration:
             if not calibration:
-                raise BenchError(f"method {method!r} needs calibration trajectories (none given)")
-            from ..calibration import Recorder
-
-            rec = Recorder(with_reference=m.calibration_reference)
-            for tr in calibration:
-                self.run_trajectory(tr, rec)
-            if not rec.observations:
+                raise BenchError(f"method {spec.name!r} needs calibration trajectories (none given)")
+            obs = collect(lambda rec: TraceFlow(self.engine, rec), calibration, with_reference=m.calibration_reference)
+            if not obs:
                 raise BenchError("calibration produced no observations (no shared segment with a source)")
-            m.calibrate(rec.observations, self.engine.n_layers)
-            del rec
+            m.calibrate(obs, self.engine.n_layers)
         if self.warmup and calibration:
-            if has_online_state(m):
+            if m.learns_online:
                 for tr in calibration:
                     self.run_trajectory(tr, m)
             else:
@@ -136,18 +218,35 @@ class InProcessBackend:
         self.rss_reset = reset_peaks(self.engine)
         return m
 
-    def measure(self, trace: Trace, method) -> list[ServiceRecord]:
-        out = []
-        for i, (r, store_bytes) in enumerate(self.run_trajectory(trace, method)):
-            state = method.state_bytes()
-            out.append(ServiceRecord(
-                trajectory=trace.id, agent_index=i, agent=r.agent, prefill_s=r.ttft_s, service_s=r.e2e_s,
-                prompt_tokens=r.prompt_tokens, output_tokens=len(r.output_ids),
-                prefilled_tokens=r.prefilled_tokens, reused_tokens=r.reused_tokens,
-                eligible_tokens=r.eligible_tokens, reference_tokens=r.reference_tokens,
-                recomputed_token_layers=r.recomputed_token_layers, layers=self.engine.n_layers,
-                kv_bytes=r.kv_bytes, shared_store_bytes=store_bytes, method_state_bytes=state,
-                kv_state_bytes=r.kv_bytes + store_bytes + state, peak_rss_bytes=r.peak_rss_bytes,
-                device_peak_bytes=r.device_peak_bytes,
-                segments=[{k: v for k, v in s.items() if k != "kv_rel_error_per_layer"} for s in r.segments]))
-        return out
+    def measure(self, trace: Trace, method) -> list[RequestRecord]:
+        return request_records(self.run_trajectory(trace, method), self.engine.n_layers, trajectory=trace.id)
+
+    def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult:
+        service = [self.measure(tr, method) for tr in traces]
+        return ServeResult(replay_all(service, schedules), service)
+
+    replay = staticmethod(replay_all)
+
+
+@register_backend("in-process")
+def in_process(
+    model=None, device: str = "auto", dtype: str = "float32", ignore_eos: bool = True, warmup: bool = True
+) -> InProcessBackend:
+    """This package's engine: each request measured once in isolation, FCFS replay per QPS.
+
+    ``model``: None/spec string for :func:`~kvcmas_bench.modeling.load_model`, or a loaded
+    :class:`~kvcmas_bench.modeling.LoadedModel` (tests pass a tiny model this way).
+    """
+    if model is None or isinstance(model, str):
+        from ..modeling import load_model, resolve_device, resolve_dtype
+
+        resolve_dtype(dtype)
+        model = load_model(model, dtype, str(resolve_device(device)))
+    return InProcessBackend(
+        model.model,
+        model.tokenizer,
+        ignore_eos=ignore_eos,
+        warmup=warmup,
+        model_name=model.name,
+        model_source=model.source,
+    )

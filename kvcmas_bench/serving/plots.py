@@ -4,17 +4,25 @@ non-chained KVCMAS)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-LABELS = {"nonshared": "NonShared", "fullshared": "FullShared", "kvcmas": "KVCMAS",
-          "kvcmas-nonchained": "KVCMAS (non-chained)", "kvcomm": "KVComm", "graphflow": "GraphFlow",
-          "cacheblend": "CacheBlend", "droidspeak": "DroidSpeak", "relaycaching": "RelayCaching"}
+LABELS = {
+    "nonshared": "NonShared",
+    "fullshared": "FullShared",
+    "kvcmas": "KVCMAS",
+    "kvcmas-nonchained": "KVCMAS (non-chained)",
+    "kvcomm": "KVComm",
+    "graphflow": "GraphFlow",
+    "cacheblend": "CacheBlend",
+    "droidspeak": "DroidSpeak",
+    "relaycaching": "RelayCaching",
+}
 CHAINED_LABELS = {"kvcmas": "Chained", "kvcmas-nonchained": "Non-chained"}
 
 
@@ -23,8 +31,15 @@ def _shared_label(shared: int, accumulated: bool) -> str:
     return f"{k} accumulated output tokens" if accumulated else f"{k} shared tokens"
 
 
-def plot_ttft(rows: Sequence[dict], path: Path, stat: str = "p50", methods: Sequence[str] | None = None,
-              labels: dict | None = None, title: str | None = None, accumulated: bool = False) -> Path:
+def plot_ttft(
+    rows: Sequence[dict],
+    path: Path,
+    stat: str = "p50",
+    methods: Sequence[str] | None = None,
+    labels: dict | None = None,
+    title: str | None = None,
+    accumulated: bool = False,
+) -> Path:
     """One panel per shared length: TTFT ``stat`` (p50/p90/p99/mean) vs QPS, one line per method."""
     labels = {**LABELS, **(labels or {})}
     key = f"ttft_{stat}_s"
@@ -35,12 +50,16 @@ def plot_ttft(rows: Sequence[dict], path: Path, stat: str = "p50", methods: Sequ
     ncol = min(len(methods), 4)
     rows_legend = -(-len(methods) // ncol) if methods else 0
     top = 0.93 - 0.06 * rows_legend
-    fig, axes = plt.subplots(1, len(shared), figsize=(max(7.0, 4.2 * len(shared)), 3.4 + 0.3 * rows_legend),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(shared), figsize=(max(7.0, 4.2 * len(shared)), 3.4 + 0.3 * rows_legend), squeeze=False
+    )
     for ax, s in zip(axes[0], shared):
         for m in methods:
-            pts = sorted((r["qps"], r[key]) for r in rows if r["method"] == m and r["shared_tokens"] == s
-                         and r.get(key) is not None)
+            pts = sorted(
+                (r["qps"], r[key])
+                for r in rows
+                if r["method"] == m and r["shared_tokens"] == s and r.get(key) is not None
+            )
             if pts:
                 ax.plot([pos[q] for q, _ in pts], [v for _, v in pts], marker="o", label=labels.get(m, m))
         ax.set_xticks(range(len(qps)))
@@ -52,8 +71,14 @@ def plot_ttft(rows: Sequence[dict], path: Path, stat: str = "p50", methods: Sequ
     handles, names = axes[0][0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, names, loc="upper center", ncol=ncol, frameon=False)
-    fig.text(0.5, 0.01, title or f"{stat} TTFT under load (one-request-at-a-time FCFS server)",
-             ha="center", va="bottom", fontsize=9)
+    fig.text(
+        0.5,
+        0.01,
+        title or f"{stat} TTFT under load (one-request-at-a-time FCFS server)",
+        ha="center",
+        va="bottom",
+        fontsize=9,
+    )
     fig.tight_layout(rect=(0, 0.05, 1, top))
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -71,7 +96,15 @@ def plot_all(rows: Sequence[dict], out_dir: Path, accumulated: bool = False) -> 
     if {"kvcmas", "kvcmas-nonchained"} <= present:
         sub = [r for r in rows if r["method"] in CHAINED_LABELS]
         for st in ("p50", "p90"):
-            paths.append(plot_ttft(sub, out_dir / f"chained_ttft_{st}.png", st,
-                                   methods=["kvcmas", "kvcmas-nonchained"], labels=CHAINED_LABELS,
-                                   title=f"{st} TTFT, chained vs non-chained KVCMAS", accumulated=accumulated))
+            paths.append(
+                plot_ttft(
+                    sub,
+                    out_dir / f"chained_ttft_{st}.png",
+                    st,
+                    methods=["kvcmas", "kvcmas-nonchained"],
+                    labels=CHAINED_LABELS,
+                    title=f"{st} TTFT, chained vs non-chained KVCMAS",
+                    accumulated=accumulated,
+                )
+            )
     return paths

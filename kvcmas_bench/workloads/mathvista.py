@@ -21,40 +21,51 @@ import re
 from pathlib import Path
 
 from ..errors import BenchError
-from .base import Role, Workload, register
+from .base import Role, Workload, load_hub, register
 from .gsm8k import _boxed, extract_number, normalize_number
+from .visual import VisualContent, VisualSample
 
 REPO = "AI4Math/MathVista"
 SPLIT = "testmini"
 LETTERS = "ABCDEFGHIJ"
 
-_FORMAT = ("End your reply with the line: The answer is X, where X is the option letter for a "
-           "multiple-choice question and otherwise the final value (a number, list or short phrase) "
-           "without units.")
-
-ROLES = (
-    Role("Math Solver",
-         "You are a math expert. You solve math problems about an image step by step, reading the "
-         "values you need from the image and using the hints of other agents when they are given.",
-         "Solve the problem step by step using the image. " + _FORMAT),
-    Role("Mathematical Analyst",
-         "You are a mathematical analyst. You describe the quantities shown in the image with "
-         "variables, then substitute their values to compute the result.",
-         "Describe the quantities in the image with variables, check the reasoning above, then "
-         "substitute the values and compute the result. " + _FORMAT),
-    Role("Programming Expert",
-         "You are a programming expert. You solve math problems about an image by combining "
-         "step-by-step reasoning with short Python code.",
-         "Write a short Python function without arguments that computes and returns the answer from "
-         "the values in the image, and state the value it returns. " + _FORMAT),
+_FORMAT = (
+    "End your reply with the line: The answer is X, where X is the option letter for a "
+    "multiple-choice question and otherwise the final value (a number, list or short phrase) "
+    "without units."
 )
 
-FINAL = Role("FinalRefer",
-             "You are the final decision maker. You read the solutions of other agents and give the "
-             "final answer to a math problem about an image.",
-             "Based on the image, the problem and the solutions above, decide the correct final answer. "
-             "Reply briefly and end with the line: The answer is X, where X is the option letter for a "
-             "multiple-choice question and otherwise a single value without units.")
+ROLES = (
+    Role(
+        "Math Solver",
+        "You are a math expert. You solve math problems about an image step by step, reading the "
+        "values you need from the image and using the hints of other agents when they are given.",
+        "Solve the problem step by step using the image. " + _FORMAT,
+    ),
+    Role(
+        "Mathematical Analyst",
+        "You are a mathematical analyst. You describe the quantities shown in the image with "
+        "variables, then substitute their values to compute the result.",
+        "Describe the quantities in the image with variables, check the reasoning above, then "
+        "substitute the values and compute the result. " + _FORMAT,
+    ),
+    Role(
+        "Programming Expert",
+        "You are a programming expert. You solve math problems about an image by combining "
+        "step-by-step reasoning with short Python code.",
+        "Write a short Python function without arguments that computes and returns the answer from "
+        "the values in the image, and state the value it returns. " + _FORMAT,
+    ),
+)
+
+FINAL = Role(
+    "FinalRefer",
+    "You are the final decision maker. You read the solutions of other agents and give the "
+    "final answer to a math problem about an image.",
+    "Based on the image, the problem and the solutions above, decide the correct final answer. "
+    "Reply briefly and end with the line: The answer is X, where X is the option letter for a "
+    "multiple-choice question and otherwise a single value without units.",
+)
 
 _CUE = re.compile(r"answer\s*(?:is|was|would be|will be|[:=])", re.IGNORECASE)
 _LETTER = re.compile(r"^\(?\s*([A-J])\s*(?:\)|\.|:|$|\s)")
@@ -62,8 +73,11 @@ _LETTER = re.compile(r"^\(?\s*([A-J])\s*(?:\)|\.|:|$|\s)")
 
 def build_query(question: str, choices: list[str] | None, hint: str | None = None) -> str:
     """MathVista-style prompt text when a row has no ``query``."""
-    hint = hint or ("Please answer the question and provide the correct option letter, e.g., A, B, C, D, "
-                    "at the end." if choices else "Please answer the question and provide the final answer at the end.")
+    hint = hint or (
+        "Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the end."
+        if choices
+        else "Please answer the question and provide the final answer at the end."
+    )
     text = f"Hint: {hint}\nQuestion: {question.strip()}"
     if choices:
         text += "\nChoices:\n" + "\n".join(f"({LETTERS[i]}) {c}" for i, c in enumerate(choices))
@@ -74,7 +88,7 @@ def final_answer(text: str) -> str:
     """The answer span of a reply: the latest ``\\boxed{}`` or ``answer is`` cue, else the last line."""
     cues = [(pos, content) for pos, content in _boxed(text)]
     for m in _CUE.finditer(text):
-        span = text[m.end():].strip().split("\n")[0]
+        span = text[m.end() :].strip().split("\n")[0]
         cues.append((m.start(), span))
     if cues:
         span = max(cues)[1]
@@ -118,7 +132,7 @@ def normalize(value, answer_type: str, precision: int | None) -> str | None:
 
 def choice_letter(span: str, full: str, choices: list[str]) -> str | None:
     """Option letter named by a reply: a letter, or an option's text."""
-    valid = LETTERS[:len(choices)]
+    valid = LETTERS[: len(choices)]
     m = _LETTER.match(span)
     if m and m.group(1) in valid:
         return m.group(1)
@@ -151,8 +165,6 @@ class MathVista(Workload):
     final_max_new_tokens = 64
 
     def load(self) -> list:
-        if self.subjects:
-            raise BenchError("--subjects applies only to the mmlu workload")
         dp = self.data_path
         if dp is None or dp.startswith("hub"):
             repo = (dp.partition(":")[2] if dp else "") or REPO
@@ -162,19 +174,15 @@ class MathVista(Workload):
             return self._from_dataset(self._load_hub(str(p)), str(p))
         if p.is_file():
             return self._from_rows(self._read_annotations(p), p.parent, str(p))
-        raise BenchError(f"MathVista data not found: {dp} (use a local snapshot of {REPO}, an annotation "
-                         f".json/.jsonl file, or 'hub')")
+        raise BenchError(
+            f"MathVista data not found: {dp} (use a local snapshot of {REPO}, an annotation "
+            f".json/.jsonl file, or 'hub')"
+        )
 
     # ---- sources ---------------------------------------------------------------------------
     @staticmethod
     def _load_hub(repo: str):
-        try:
-            from datasets import load_dataset
-
-            return load_dataset(repo, split=SPLIT)
-        except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing data error
-            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()] or [type(exc).__name__]
-            raise BenchError(f"cannot load MathVista ({repo}, split {SPLIT}): {lines[0].strip()}") from None
+        return load_hub(repo, split=SPLIT, what=f"MathVista ({repo}, split {SPLIT})")
 
     @staticmethod
     def _read_annotations(path: Path) -> list[dict]:
@@ -199,6 +207,7 @@ class MathVista(Workload):
 
         def loader(i: int):
             return lambda: [ds[i]["decoded_image"]]
+
         return [self._sample(r, i, loader(i), where) for i, r in enumerate(rows)]
 
     def _from_rows(self, rows: list[dict], root: Path, where: str) -> list:
@@ -212,7 +221,9 @@ class MathVista(Workload):
                         return [im.convert("RGB")]
                 except OSError as exc:
                     raise BenchError(f"cannot open MathVista image {path}: {exc}") from None
+
             return load
+
         out = []
         for i, r in enumerate(rows):
             if not r.get("image"):
@@ -221,7 +232,6 @@ class MathVista(Workload):
         return out
 
     def _sample(self, r: dict, i: int, images, where: str):
-        from ..vlm import VisualContent, VisualSample
 
         try:
             pid = str(r.get("pid", i))
@@ -243,10 +253,23 @@ class MathVista(Workload):
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise BenchError(f"bad MathVista row {i} in {where}: {exc}") from None
         key = f"mathvista:{pid}"
-        meta = {"pid": pid, "question_type": qtype, "answer_type": atype, "precision": precision,
-                "choices": choices, "answer": str(answer), "image": r.get("image")}
-        return VisualSample(id=f"mathvista-{pid}", query=query.strip(), gold=gold, meta=meta,
-                            visual=lambda: VisualContent("image", images(), key=key), visual_key=key)
+        meta = {
+            "pid": pid,
+            "question_type": qtype,
+            "answer_type": atype,
+            "precision": precision,
+            "choices": choices,
+            "answer": str(answer),
+            "image": r.get("image"),
+        }
+        return VisualSample(
+            id=f"mathvista-{pid}",
+            query=query.strip(),
+            gold=gold,
+            meta=meta,
+            visual=lambda: VisualContent("image", images(), key=key),
+            visual_key=key,
+        )
 
     def score(self, sample, output: str) -> tuple[str | None, bool]:
         meta = sample.meta

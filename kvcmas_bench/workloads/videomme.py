@@ -25,8 +25,9 @@ import re
 from pathlib import Path
 
 from ..errors import BenchError
-from .base import Role, Workload, register
+from .base import Role, Workload, load_hub, register
 from .mmlu import extract_letter
+from .visual import VisualContent, VisualSample, sample_frame_indices
 
 REPO = "lmms-lab/Video-MME"
 SPLIT = "test"
@@ -39,27 +40,35 @@ FRAME_DIRS = ("frames", ".")
 _FORMAT = "Answer with exactly one of the letters A, B, C or D, the letter of the correct option."
 
 ROLES = (
-    Role("Knowledgeable Expert",
-         "You are a knowledgeable expert. Identify the key entities, people, objects and events in the "
-         "video that the question is about and recall what is known about them.",
-         "Name the key entities and events in the video relevant to this question and what you know "
-         "about them. Then say which option you think is correct."),
-    Role("Wiki Searcher",
-         "You are a Wikipedia searcher. You look up and summarize encyclopedic knowledge relevant to a "
-         "question about a video.",
-         "Summarize the encyclopedic knowledge and the details of the video that decide this question, "
-         "using the analyses above. Then say which option it supports."),
-    Role("Critic",
-         "You are an excellent critic. You examine other agents' reasoning about a video and point out "
-         "mistakes.",
-         "Check the analyses above against the video for errors and say which option is correct and why."),
+    Role(
+        "Knowledgeable Expert",
+        "You are a knowledgeable expert. Identify the key entities, people, objects and events in the "
+        "video that the question is about and recall what is known about them.",
+        "Name the key entities and events in the video relevant to this question and what you know "
+        "about them. Then say which option you think is correct.",
+    ),
+    Role(
+        "Wiki Searcher",
+        "You are a Wikipedia searcher. You look up and summarize encyclopedic knowledge relevant to a "
+        "question about a video.",
+        "Summarize the encyclopedic knowledge and the details of the video that decide this question, "
+        "using the analyses above. Then say which option it supports.",
+    ),
+    Role(
+        "Critic",
+        "You are an excellent critic. You examine other agents' reasoning about a video and point out mistakes.",
+        "Check the analyses above against the video for errors and say which option is correct and why.",
+    ),
 )
 
-FINAL = Role("FinalRefer",
-             "You are the final decision maker. You read the analyses of other agents and give the final "
-             "answer to a multiple-choice question about a video.",
-             "Based on the video, the question and the analyses above, give the final answer. " + _FORMAT
-             + " Reply in the form: Answer: X")
+FINAL = Role(
+    "FinalRefer",
+    "You are the final decision maker. You read the analyses of other agents and give the final "
+    "answer to a multiple-choice question about a video.",
+    "Based on the video, the question and the analyses above, give the final answer. "
+    + _FORMAT
+    + " Reply in the form: Answer: X",
+)
 
 
 def format_question(question: str, options: list[str]) -> str:
@@ -89,8 +98,6 @@ def read_frames(path: Path, n: int) -> list:
     """``n`` frames sampled uniformly (first and last included) from a video file or frame folder."""
     from PIL import Image
 
-    from ..vlm import sample_frame_indices
-
     if path.is_dir():
         files = sorted(f for f in path.iterdir() if f.suffix.lower() in FRAME_EXTS)
         if not files:
@@ -103,8 +110,10 @@ def read_frames(path: Path, n: int) -> list:
     try:
         import av
     except ImportError:
-        raise BenchError(f"decoding {path.name} needs PyAV: run `pip install av` (or extract frames into "
-                         f"{path.parent / 'frames' / path.stem}/)") from None
+        raise BenchError(
+            f"decoding {path.name} needs PyAV: run `pip install av` (or extract frames into "
+            f"{path.parent / 'frames' / path.stem}/)"
+        ) from None
     try:
         return _decode(av, path, n)
     except BenchError:
@@ -117,7 +126,6 @@ def read_frames(path: Path, n: int) -> list:
 def _decode(av, path: Path, n: int) -> list:
     """Decode the frames at ``n`` uniformly spread indices: sequentially for short videos, by
     seeking to each frame's timestamp for long ones (Video-MME has hour-long videos)."""
-    from ..vlm import sample_frame_indices
 
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
@@ -185,11 +193,11 @@ class VideoMME(Workload):
     frames = 32
 
     def load(self) -> list:
-        if self.subjects:
-            raise BenchError("--subjects applies only to the mmlu workload")
         if not self.data_path:
-            raise BenchError(f"videomme needs --data-path DIR holding the {REPO} videos (DIR/data/<videoID>.mp4 "
-                             "or DIR/frames/<videoID>/); see kvcmas_bench/workloads/videomme.py")
+            raise BenchError(
+                f"videomme needs --data-path DIR holding the {REPO} videos (DIR/data/<videoID>.mp4 "
+                "or DIR/frames/<videoID>/); see kvcmas_bench/workloads/videomme.py"
+            )
         root = Path(self.data_path).expanduser()
         if not root.is_dir():
             raise BenchError(f"Video-MME data folder not found: {self.data_path}")
@@ -198,13 +206,18 @@ class VideoMME(Workload):
             raise BenchError(f"no Video-MME questions in the annotations for {root}")
         found = {v: find_video(root, v) for v in {str(r["videoID"]) for r in rows}}
         if not any(found.values()):
-            raise BenchError(f"no Video-MME videos under {root} (expected {root}/data/<videoID>.mp4 or "
-                             f"{root}/frames/<videoID>/ for videoIDs like {rows[0]['videoID']})")
+            raise BenchError(
+                f"no Video-MME videos under {root} (expected {root}/data/<videoID>.mp4 or "
+                f"{root}/frames/<videoID>/ for videoIDs like {rows[0]['videoID']})"
+            )
         return [self._sample(r, i, root, found) for i, r in enumerate(rows)]
 
     def _annotations(self, root: Path) -> list[dict]:
-        files = (sorted((root / "videomme").glob("*.parquet")) + sorted(root.glob("*.parquet"))
-                 + sorted(root.glob("*.jsonl")))
+        files = (
+            sorted((root / "videomme").glob("*.parquet"))
+            + sorted(root.glob("*.parquet"))
+            + sorted(root.glob("*.jsonl"))
+        )
         if not files:
             return self._load_hub()
         path = files[0]
@@ -221,17 +234,9 @@ class VideoMME(Workload):
 
     @staticmethod
     def _load_hub() -> list[dict]:
-        try:
-            from datasets import load_dataset
-
-            ds = load_dataset(REPO, split=SPLIT)
-        except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing data error
-            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()] or [type(exc).__name__]
-            raise BenchError(f"cannot load Video-MME annotations ({REPO}, split {SPLIT}): {lines[0].strip()}") from None
-        return [dict(r) for r in ds]
+        return [dict(r) for r in load_hub(REPO, split=SPLIT, what=f"Video-MME annotations ({REPO}, split {SPLIT})")]
 
     def _sample(self, r: dict, i: int, root: Path, found: dict):
-        from ..vlm import VisualContent, VisualSample
 
         try:
             vid = str(r["videoID"])
@@ -251,9 +256,16 @@ class VideoMME(Workload):
             if path is None:
                 raise BenchError(f"Video-MME video {vid} not found under {root} (data/{vid}.mp4 or frames/{vid}/)")
             return VisualContent("video", read_frames(path, n), key=key)
-        meta = {"video_id": str(r.get("video_id", "")), "videoID": vid, "question_id": qid,
-                "duration": r.get("duration"), "domain": r.get("domain"), "sub_category": r.get("sub_category"),
-                "task_type": r.get("task_type")}
+
+        meta = {
+            "video_id": str(r.get("video_id", "")),
+            "videoID": vid,
+            "question_id": qid,
+            "duration": r.get("duration"),
+            "domain": r.get("domain"),
+            "sub_category": r.get("sub_category"),
+            "task_type": r.get("task_type"),
+        }
         return VisualSample(id=f"videomme-{qid}", query=query, gold=gold, meta=meta, visual=visual, visual_key=key)
 
     def score(self, sample, output: str) -> tuple[str | None, bool]:

@@ -32,14 +32,24 @@ Criteria (each isolated, as in the paper, not the full execution of a method):
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import pandas as pd
 import torch
 
-from .methods.selection import (choose_layer_groups, covered, entry_sq_error, layer_mask,
-                                n_selected_layers, n_selected_tokens, profile_layer_deviation,
-                                random_mask, token_deviation, token_mask, top_tokens)
+from ..ops.selection import (
+    choose_layer_groups,
+    covered,
+    entry_sq_error,
+    layer_mask,
+    n_selected_layers,
+    n_selected_tokens,
+    profile_layer_deviation,
+    random_mask,
+    token_deviation,
+    token_mask,
+    top_tokens,
+)
 
 
 def _random_coverage(errs: list[torch.Tensor], counts: list[int], seeds: Sequence[int]) -> float:
@@ -54,10 +64,15 @@ def _random_coverage(errs: list[torch.Tensor], counts: list[int], seeds: Sequenc
     return sum(vals) / len(vals)
 
 
-def reconstruction_coverage(observations: Sequence, budget: float,
-                            importance: Sequence[torch.Tensor | None] | None = None,
-                            seeds: int = 8, layer_groups: int | None = None,
-                            check_layer: int | None = 1, score_on: str = "k") -> pd.DataFrame:
+def reconstruction_coverage(
+    observations: Sequence,
+    budget: float,
+    importance: Sequence[torch.Tensor | None] | None = None,
+    seeds: int = 8,
+    layer_groups: int | None = None,
+    check_layer: int | None = 1,
+    score_on: str = "k",
+) -> pd.DataFrame:
     """Coverage and relative coverage of the layer / deviation / (attention) / random criteria.
 
     ``observations``: objects with ``.source`` and ``.exact`` SegmentKV (source already aligned).
@@ -71,11 +86,46 @@ def reconstruction_coverage(observations: Sequence, budget: float,
         raise ValueError("no observations")
     if score_on not in ("k", "v"):
         raise ValueError(f"score_on must be 'k' or 'v', got {score_on!r}")
-    rho = 1.0 - budget
-    L = observations[0].exact.k.shape[0]
     errs = [entry_sq_error(o.source.k, o.source.v, o.exact.k, o.exact.v) for o in observations]
     total_entries = sum(e.numel() for e in errs)
+    masks = criterion_masks(observations, errs, budget, importance, layer_groups, check_layer, score_on)
+    rows = []
+    seed_list = list(range(seeds))
+    for crit, ms in masks.items():
+        rem = tot = 0.0
+        for e, m in zip(errs, ms):
+            r, t = covered(e, m)
+            rem, tot = rem + r, tot + t
+        cov = rem / tot if tot > 0 else 0.0
+        counts = [int(m.sum()) for m in ms]
+        rnd = _random_coverage(errs, counts, seed_list)
+        rows.append(
+            {
+                "criterion": crit,
+                "budget": budget,
+                "selected_fraction": sum(counts) / total_entries,
+                "coverage": cov,
+                "norm_coverage": 1.0 - math.sqrt(max(0.0, 1.0 - cov)),
+                "random_coverage": rnd,
+                "relative_coverage": cov / rnd if rnd > 0 else float("nan"),
+                "observations": len(observations),
+            }
+        )
+    return pd.DataFrame(rows)
 
+
+def criterion_masks(
+    observations: Sequence,
+    errs: list[torch.Tensor],
+    budget: float,
+    importance: Sequence[torch.Tensor | None] | None,
+    layer_groups: int | None,
+    check_layer: int | None,
+    score_on: str,
+) -> dict[str, list[torch.Tensor]]:
+    """Per criterion, one ``[layers, tokens]`` selection mask per observation (see the module doc)."""
+    rho = 1.0 - budget
+    L = observations[0].exact.k.shape[0]
     masks: dict[str, list[torch.Tensor]] = {}
     dev = profile_layer_deviation(((o.source, o.exact) for o in observations), L)
     groups = choose_layer_groups(dev, n_selected_layers(rho, L), layer_groups)
@@ -97,73 +147,14 @@ def reconstruction_coverage(observations: Sequence, budget: float,
             raise ValueError("importance needs one tensor per observation")
         if all(imp is not None for imp in importance):
             masks["attention"] = [
-                token_mask(L, e.shape[1], top_tokens(imp.detach().cpu().flatten(),
-                                                     n_selected_tokens(rho, e.shape[1])))
-                for e, imp in zip(errs, importance)]
+                token_mask(L, e.shape[1], top_tokens(imp.detach().cpu().flatten(), n_selected_tokens(rho, e.shape[1])))
+                for e, imp in zip(errs, importance)
+            ]
 
-    masks["random"] = [random_mask(L, e.shape[1], math.floor(budget * e.numel() + 0.5 + 1e-9),
-                                   torch.Generator().manual_seed(10_000 + i))
-                       for i, e in enumerate(errs)]
-
-    rows = []
-    seed_list = list(range(seeds))
-    for crit, ms in masks.items():
-        rem = tot = 0.0
-        for e, m in zip(errs, ms):
-            r, t = covered(e, m)
-            rem, tot = rem + r, tot + t
-        cov = rem / tot if tot > 0 else 0.0
-        counts = [int(m.sum()) for m in ms]
-        rnd = _random_coverage(errs, counts, seed_list)
-        rows.append({
-            "criterion": crit, "budget": budget, "selected_fraction": sum(counts) / total_entries,
-            "coverage": cov, "norm_coverage": 1.0 - math.sqrt(max(0.0, 1.0 - cov)),
-            "random_coverage": rnd, "relative_coverage": cov / rnd if rnd > 0 else float("nan"),
-            "observations": len(observations),
-        })
-    return pd.DataFrame(rows)
-
-
-def coverage_report(workload: str, limit: int, rhos: Sequence[float], model: str | None = None,
-                    device: str = "auto", dtype: str = "float32", seed: int = 0,
-                    max_new_tokens: int | None = None, output_path: str = "runs/coverage") -> pd.DataFrame:
-    """Run ``limit`` samples densely, record every reused segment's source/exact caches and
-    attention importance, and tabulate coverage for each ``rho``; saved as CSV and JSON."""
-    from pathlib import Path
-
-    from .calibration import ImportanceRecorder
-    from .engine import Engine
-    from .errors import BenchError
-    from .modeling import load_model
-    from .results.records import write_json
-    from .runner import select_samples
-    from .workflow import Workflow
-    from .workloads import get_workload
-
-    if limit < 1:
-        raise BenchError(f"--limit must be a positive integer, got {limit}")
-    for r in rhos:
-        if not 0.0 <= r <= 1.0:
-            raise BenchError(f"--rho must lie in [0, 1], got {r}")
-    wl = get_workload(workload)
-    samples = select_samples(wl.load(), limit, seed)
-    lm = load_model(model, dtype, device)
-    engine = Engine(lm.model, lm.tokenizer)
-    rec = ImportanceRecorder()
-    flow = Workflow(engine, rec, wl, max_new_tokens)
-    for s in samples:
-        flow.run_sample(s)
-    if not rec.observations:
-        raise BenchError("no reused segments observed")
-    frames = []
-    for r in rhos:
-        df = reconstruction_coverage(rec.observations, 1.0 - r, importance=rec.importance)
-        df.insert(0, "rho", r)
-        frames.append(df)
-    out = pd.concat(frames, ignore_index=True)
-    path = Path(output_path)
-    path.mkdir(parents=True, exist_ok=True)
-    out.to_csv(path / "coverage.csv", index=False)
-    write_json(path / "coverage.json", {"workload": workload, "model": lm.name, "samples": [s.id for s in samples],
-                                        "rows": out.to_dict(orient="records")})
-    return out
+    masks["random"] = [
+        random_mask(
+            L, e.shape[1], math.floor(budget * e.numel() + 0.5 + 1e-9), torch.Generator().manual_seed(10_000 + i)
+        )
+        for i, e in enumerate(errs)
+    ]
+    return masks

@@ -1,4 +1,4 @@
-"""Vision-language path: LLaVA-OneVision models, visual PH segments, and the VLM agent workflow.
+"""Vision-language models: LLaVA-OneVision loading, its processor parts and visual features.
 
 The language model inside a LLaVA-OneVision checkpoint is an ordinary Qwen2 decoder that the
 engine runs like any text model; the vision tower, the projector and the ``image_newline`` vector
@@ -12,17 +12,6 @@ shared (PH) segment:
 ``ids`` are the very placeholder ids the model's processor puts into ``input_ids`` (the image or
 video token repeated once per feature row), so ``Request.prompt_ids`` equals the ``input_ids`` of a
 plain HF forward, token for token, and the engine feeds ``embeds`` in place of their embeddings.
-
-Prompt layout (paper Sec. 2.1 with the visual context first, as LLaVA-OneVision's chat template
-puts images before the text of a turn)::
-
-    [PF_sys, PH_visual, PF("\\nTask:\\n"), PH_q, PF_glue0, PH_out0, ..., PF_tail]
-
-The chat template is the checkpoint's processor template (``chat_template.jinja`` /
-``chat_template.json``), rendered with the visual item in place and the image/video token replaced
-by a segment marker; the text between markers is tokenized as PF segments. Because the image and
-video tokens are special tokens, splitting the text at them is exactly what whole-string
-tokenization does, so the visual boundary is token-exact against the processor.
 
 Visual inputs: MathVista images go through the any-resolution path (``LlavaOnevisionImageProcessorPil``:
 best grid pinpoint, tiles + base image; the model unpads, interpolates beyond ``anyres_max_9`` and
@@ -42,21 +31,18 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from .engine import Engine, Segment, SegmentKV
 from .errors import BenchError
 from .modeling import LoadedModel, check_supported, resolve_device, resolve_dtype
-from .workflow import _MARK, Node, SampleRun, SharedRef, Workflow, render_segments
-from .workloads.base import Sample
+from .workloads.visual import VIDEO_FRAMES, VisualContent, sample_frame_indices
 
-#: LLaVA-OneVision's video setting in the paper (Appendix B.1)
-VIDEO_FRAMES = 32
 #: OpenAI CLIP normalization, the default of ``LlavaOnevisionVideoProcessor``
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -68,43 +54,8 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-# ---- samples ---------------------------------------------------------------------------------
-
-@dataclass
-class VisualContent:
-    """What a sample shows: ``kind`` "image" (one or more PIL images) or "video" (PIL frames)."""
-
-    kind: str
-    images: list = field(default_factory=list)
-    #: identity of the content (same key -> same pixels); used to cache features across samples
-    key: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("image", "video"):
-            raise ValueError(f"visual kind must be image or video, not {self.kind!r}")
-        if not self.images:
-            raise BenchError(f"no {self.kind} content" + (f" for {self.key}" if self.key else ""))
-
-
-@dataclass
-class VisualSample(Sample):
-    """A :class:`Sample` whose visual content is loaded lazily by ``visual()`` (kept out of ``meta``,
-    which is written to samples.jsonl and must stay JSON)."""
-
-    visual: Callable[[], VisualContent] | None = field(default=None, repr=False, compare=False)
-    #: the content's key without loading it (lets the workflow skip decoding a cached video)
-    visual_key: str | None = None
-
-
-def sample_frame_indices(total: int, frames: int = VIDEO_FRAMES) -> list[int]:
-    """``frames`` indices spread uniformly over ``total`` frames, first and last included
-    (``np.linspace(0, total - 1, frames, dtype=int)``, as LLaVA-OneVision's lmms-eval loader)."""
-    if total < 1:
-        raise BenchError("video has no frames")
-    return np.linspace(0, total - 1, frames, dtype=int).tolist()
-
-
 # ---- processor ---------------------------------------------------------------------------------
+
 
 @dataclass
 class VisualProcessor:
@@ -130,7 +81,7 @@ class VisualProcessor:
         return self.image_token_id if kind == "image" else self.video_token_id
 
     @classmethod
-    def from_pretrained(cls, path, config) -> "VisualProcessor":
+    def from_pretrained(cls, path, config) -> VisualProcessor:
         """Tokenizer, image processor and chat template of a checkpoint (local folder or hub id)."""
         from transformers import AutoTokenizer, LlavaOnevisionImageProcessorPil
 
@@ -154,14 +105,22 @@ class VisualProcessor:
         video_tok = proc_cfg.get("video_token") or tok.convert_ids_to_tokens(video_id)
         for name, t, i in (("image", image_tok, image_id), ("video", video_tok, video_id)):
             if not isinstance(t, str) or tok.convert_tokens_to_ids(t) != i:
-                raise BenchError(f"the tokenizer in {where} has no {name} token with id {i} "
-                                 f"(the model config's {name}_token_index)")
-        return cls(tokenizer=tok, image_processor=image_processor, chat_template=template,
-                   image_token_id=image_id, video_token_id=video_id, image_token=image_tok,
-                   video_token=video_tok, frame_size=int(config.vision_config.image_size),
-                   frame_mean=tuple(video_cfg.get("image_mean", CLIP_MEAN)),
-                   frame_std=tuple(video_cfg.get("image_std", CLIP_STD)),
-                   frame_rescale=float(video_cfg.get("rescale_factor", 1 / 255)))
+                raise BenchError(
+                    f"the tokenizer in {where} has no {name} token with id {i} (the model config's {name}_token_index)"
+                )
+        return cls(
+            tokenizer=tok,
+            image_processor=image_processor,
+            chat_template=template,
+            image_token_id=image_id,
+            video_token_id=video_id,
+            image_token=image_tok,
+            video_token=video_tok,
+            frame_size=int(config.vision_config.image_size),
+            frame_mean=tuple(video_cfg.get("image_mean", CLIP_MEAN)),
+            frame_std=tuple(video_cfg.get("image_std", CLIP_STD)),
+            frame_rescale=float(video_cfg.get("rescale_factor", 1 / 255)),
+        )
 
     # ---- pixel inputs ------------------------------------------------------------------------
     def image_inputs(self, images: Sequence) -> dict:
@@ -230,6 +189,7 @@ def _chat_template(path, proc_cfg: dict, tokenizer) -> str | None:
 
 # ---- model -------------------------------------------------------------------------------------
 
+
 @dataclass
 class LoadedVLM(LoadedModel):
     processor: VisualProcessor | None = None
@@ -258,8 +218,10 @@ def load_vlm(spec: str | None, dtype: str = "float32", device: str = "cpu") -> L
     except Exception as exc:  # noqa: BLE001
         raise BenchError(f"cannot load model config of {spec!r}: {_first_line(exc)}") from None
     if getattr(config, "model_type", None) != "llava_onevision":
-        raise BenchError(f"{spec} is a {getattr(config, 'model_type', None)!r} model; the VLM workloads need "
-                         f"a LLaVA-OneVision checkpoint (model_type 'llava_onevision'), e.g. {EXAMPLE_MODEL}")
+        raise BenchError(
+            f"{spec} is a {getattr(config, 'model_type', None)!r} model; the VLM workloads need "
+            f"a LLaVA-OneVision checkpoint (model_type 'llava_onevision'), e.g. {EXAMPLE_MODEL}"
+        )
     check_supported(config.text_config)
     if isinstance(path, Path) and not (any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))):
         raise BenchError(f"no model weights in {spec} (*.safetensors or pytorch_model*.bin missing)")
@@ -273,6 +235,7 @@ def load_vlm(spec: str | None, dtype: str = "float32", device: str = "cpu") -> L
 
 
 # ---- visual features ---------------------------------------------------------------------------
+
 
 @dataclass
 class VisualInput:
@@ -290,15 +253,20 @@ class VisualInput:
 
 
 @torch.no_grad()
-def image_features(model, pixel_values: torch.Tensor, image_sizes: torch.Tensor,
-                   batch_num_images: torch.Tensor | None = None) -> torch.Tensor:
+def image_features(
+    model, pixel_values: torch.Tensor, image_sizes: torch.Tensor, batch_num_images: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[N, hidden]`` embeddings of the image tokens of one prompt, exactly those that
     ``LlavaOnevisionModel.forward`` scatters into its image placeholders (any-resolution tiles,
     unpadding, ``anyres_max`` interpolation and the ``image_newline`` rows included)."""
     base = model.model
     p = next(model.parameters())
-    out = base.get_image_features(pixel_values.to(p.device, p.dtype), image_sizes.to(p.device),
-                                  batch_num_images=batch_num_images, return_dict=True)
+    out = base.get_image_features(
+        pixel_values.to(p.device, p.dtype),
+        image_sizes.to(p.device),
+        batch_num_images=batch_num_images,
+        return_dict=True,
+    )
     return torch.cat(out.pooler_output, dim=0)
 
 
@@ -329,126 +297,6 @@ def encode_visual(model, processor: VisualProcessor, content: VisualContent) -> 
     key = content.key or hashlib.sha1(feats.float().cpu().numpy().tobytes()).hexdigest()
     ids = [processor.token_id(content.kind)] * feats.shape[0]
     return VisualInput(content.kind, ids, feats, key, time.perf_counter() - t0)
-
-
-def visual_segment(visual: VisualInput, source: str | None = None) -> Segment:
-    """The PH segment of a sample's visual tokens (slot = "image" or "video")."""
-    return Segment("PH", list(visual.ids), slot=visual.kind, source=source, embeds=visual.embeds)
-
-
-# ---- rendering ---------------------------------------------------------------------------------
-
-class _VisualChat:
-    """Tokenizer stand-in for :func:`render_segments` that renders the checkpoint's multimodal chat
-    template: the visual item goes where the template puts images/videos, its token is replaced by
-    the segment marker of the visual ``SharedRef`` (index 0, the first user part)."""
-
-    def __init__(self, processor: VisualProcessor, kind: str):
-        self.p = processor
-        self.kind = kind
-        self.marker = _MARK.format(0)
-
-    def __call__(self, text, **kwargs):
-        return self.p.tokenizer(text, **kwargs)
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        tok = self.p.tokenizer
-        if not self.p.chat_template:  # plain text template: the visual tokens open the user turn
-            msgs = [{"role": m["role"], "content": m["content"].replace(self.marker, self.marker + "\n", 1)}
-                    for m in messages]
-            out = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
-            if self.marker not in out:
-                raise BenchError("the tokenizer's chat template drops plain-text content; the checkpoint needs "
-                                 "its processor chat template (chat_template.jinja or chat_template.json)")
-            return out
-        msgs = []
-        for m in messages:
-            items: list[dict] = []
-            text = m["content"]
-            if self.marker in text:
-                text = text.replace(self.marker, "", 1)
-                items.append({"type": self.kind})
-            items.append({"type": "text", "text": text})
-            msgs.append({"role": m["role"], "content": items})
-        out = tok.apply_chat_template(msgs, chat_template=self.p.chat_template, tokenize=False,
-                                      add_generation_prompt=add_generation_prompt)
-        token = self.p.token(self.kind)
-        if out.count(token) != 1:
-            raise BenchError(f"the chat template rendered {out.count(token)} {token} tokens for one {self.kind}")
-        return out.replace(token, self.marker)
-
-
-def _forget_references(method, slot: str) -> None:
-    """Drop a method's cached context-free references of ``slot``.
-
-    GraphFlow and the non-chained delta methods cache the reference prefill under
-    ``(slot, ids)``; visual placeholder ids are one token repeated, so two different images with
-    the same token count would share a key. The workflow calls this whenever the visual content
-    changes (see the proposed fix keying references by the segment's embeddings too)."""
-    refs = getattr(method, "references", None)
-    if isinstance(refs, dict):
-        for k in [k for k in refs if isinstance(k, tuple) and k and k[0] == slot]:
-            del refs[k]
-
-
-class VLMWorkflow(Workflow):
-    """:class:`Workflow` for LLaVA-OneVision: every agent's user turn opens with the sample's visual
-    PH segment (right after PF_sys), then the text task (PH_q) and the upstream outputs. The visual
-    segment is one shared slot (``image`` / ``video``) whose source is chained along the workflow
-    edges exactly like PH_q. Features are computed once per distinct visual content (cached across
-    samples with the same key, e.g. the three questions of one Video-MME video)."""
-
-    def __init__(self, engine: Engine, method, workload, max_new_tokens: int | None = None,
-                 final_max_new_tokens: int | None = None, fidelity: bool = False, topology: str = "chain",
-                 agents: int | None = None, rounds: int = 1, processor: VisualProcessor | None = None):
-        super().__init__(engine, method, workload, max_new_tokens, final_max_new_tokens, fidelity=fidelity,
-                         topology=topology, agents=agents, rounds=rounds)
-        if processor is None:
-            raise ValueError("VLMWorkflow needs the model's VisualProcessor")
-        self.processor = processor
-        self._last: VisualInput | None = None
-
-    def user_parts(self, node: Node, kind: str = "image") -> list[str | SharedRef]:
-        return [SharedRef(kind)] + super().user_parts(node)
-
-    def visual_input(self, sample: Sample) -> VisualInput:
-        loader = getattr(sample, "visual", None)
-        if loader is None:
-            raise BenchError(f"sample {sample.id} carries no image or video (not a VLM workload sample)")
-        key = getattr(sample, "visual_key", None)
-        if self._last is not None and key is not None and key == self._last.key:
-            return replace(self._last, encode_s=0.0)
-        content = loader()
-        if self._last is not None and content.key is not None and content.key == self._last.key:
-            return replace(self._last, encode_s=0.0)
-        vis = encode_visual(self.engine.model, self.processor, content)
-        if self._last is None or self._last.key != vis.key:
-            _forget_references(self.method, vis.kind)
-        self._last = vis
-        return vis
-
-    def segments(self, node: Node, visual: VisualInput, shared_ids: dict[str, list[int]],
-                 sources: dict[str, SegmentKV]) -> list[Segment]:
-        chat = _VisualChat(self.processor, visual.kind)
-        segs = render_segments(chat, node.role.system, self.user_parts(node, visual.kind), shared_ids,
-                               {slot: kv.agent for slot, kv in sources.items()})
-        return [replace(s, embeds=visual.embeds) if s.kind == "PH" and s.slot == visual.kind else s
-                for s in segs]
-
-    def run_sample(self, sample: Sample) -> SampleRun:
-        visual = self.visual_input(sample)
-        shared_ids = {"q": self.tok(sample.query, add_special_tokens=False)["input_ids"],
-                      visual.kind: list(visual.ids)}
-        run = SampleRun(sample)
-        # once per sample, outside every agent's TTFT: kind, visual tokens, vision-encoder seconds
-        run.visual = {"kind": visual.kind, "tokens": visual.tokens,  # type: ignore[attr-defined]
-                      "encode_s": visual.encode_s}
-        return self.execute(run, shared_ids, lambda node, sources: self.segments(node, visual, shared_ids, sources))
-
-
-def is_visual(workload) -> bool:
-    """Whether a workload needs the VLM path (its samples carry images or video)."""
-    return getattr(workload, "modality", "text") in ("image", "video")
 
 
 def tokens_per_frame(config) -> int:

@@ -82,7 +82,7 @@ def weighted_lowrank(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch
 def effective_rank(z: torch.Tensor, energy: float = 0.9) -> float:
     """Mean over layers of the smallest rank keeping ``energy`` of the squared singular values."""
     s = torch.linalg.svdvals(z.float())
-    e = (s.square().cumsum(-1) / s.square().sum(-1, keepdim=True).clamp_min(1e-30))
+    e = s.square().cumsum(-1) / s.square().sum(-1, keepdim=True).clamp_min(1e-30)
     return float((e < energy).sum(-1).add(1).float().mean())
 
 

@@ -3,7 +3,7 @@
 Shared by CacheBlend (token selection by KV deviation at a check layer), DroidSpeak (contiguous
 layer groups chosen by an offline per-layer deviation profile), RelayCaching (deviation x attention
 token scores inside a profiled layer range) and the reconstruction-coverage analysis of the paper's
-Appendix A.1 (:mod:`kvcmas_bench.analysis_coverage`). Every function is side-effect free.
+Appendix A.1 (:mod:`kvcmas_bench.analysis.coverage`). Every function is side-effect free.
 
 Layouts: KV ``[layers, kv_heads, tokens, head_dim]``; one layer ``[kv_heads, tokens, head_dim]``;
 (layer, token) entry masks and error maps ``[layers, tokens]``.
@@ -19,7 +19,7 @@ Budget rounding (all functions below guard against float noise such as ``(1 - 0.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -80,8 +80,15 @@ def top_tokens(score: torch.Tensor, n: int) -> torch.Tensor:
     return order.sort().values
 
 
-def attention_mass(q: torch.Tensor, K: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-                   col_start: int, col_end: int, max_elems: int = 1 << 25) -> torch.Tensor:
+def attention_mass(
+    q: torch.Tensor,
+    K: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    col_start: int,
+    col_end: int,
+    max_elems: int = 1 << 25,
+) -> torch.Tensor:
     """Attention probability mass that the queries place on key rows ``col_start:col_end``.
 
     ``q`` ``[1, heads, T, hd]`` (RoPE applied), ``K`` ``[1, kv_heads, kmax, hd]`` (grouped-query
@@ -97,22 +104,22 @@ def attention_mass(q: torch.Tensor, K: torch.Tensor, mask: torch.Tensor | None, 
     out = torch.zeros(col_end - col_start, dtype=torch.float32, device=q.device)
     step = max(1, max_elems // max(1, heads * kmax))
     for i in range(0, T, step):
-        s = torch.einsum("htd,hkd->htk", q[0, :, i:i + step].to(torch.float32), Kr) * scaling
+        s = torch.einsum("htd,hkd->htk", q[0, :, i : i + step].to(torch.float32), Kr) * scaling
         if mask is not None:
-            s = s.masked_fill(~mask[i:i + step][None], float("-inf"))
+            s = s.masked_fill(~mask[i : i + step][None], float("-inf"))
         p = torch.softmax(s, dim=-1)
         out += p[..., col_start:col_end].sum(dim=(0, 1))
     return out
 
 
 # ---- layer profiles --------------------------------------------------------------------------
-def layer_deviation(src_k: torch.Tensor, src_v: torch.Tensor, ex_k: torch.Tensor,
-                    ex_v: torch.Tensor) -> torch.Tensor:
+def layer_deviation(src_k: torch.Tensor, src_v: torch.Tensor, ex_k: torch.Tensor, ex_v: torch.Tensor) -> torch.Tensor:
     """DroidSpeak's per-layer profile: ``||K_ex - K_src||_F/||K_ex||_F + ||V_ex - V_src||_F/||V_ex||_F``.
 
     All inputs ``[layers, kv_heads, tokens, head_dim]`` (source already RoPE-aligned); returns
     ``[layers]`` float32.
     """
+
     def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a, b = a.to(torch.float32).flatten(1), b.to(torch.float32).flatten(1)
         return torch.linalg.vector_norm(a - b, dim=1) / torch.linalg.vector_norm(b, dim=1).clamp_min(1e-30)
@@ -145,8 +152,9 @@ def runs(indices: Iterable[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-def choose_layer_groups(dev: Sequence[float] | torch.Tensor, n: int, max_groups: int | None = None,
-                        lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
+def choose_layer_groups(
+    dev: Sequence[float] | torch.Tensor, n: int, max_groups: int | None = None, lo: int = 0, hi: int | None = None
+) -> list[tuple[int, int]]:
     """Contiguous layer groups ``[(a, b), ...]`` inside ``[lo, hi)`` covering exactly ``n`` layers
     and maximizing the summed deviation.
 
@@ -172,7 +180,7 @@ def choose_layer_groups(dev: Sequence[float] | torch.Tensor, n: int, max_groups:
     for i in range(m):
         nxt: dict[tuple[int, int, int], tuple[float, tuple | None]] = {}
 
-        def offer(state, value, prev):
+        def offer(state, value, prev, nxt=nxt):
             if state not in nxt or value > nxt[state][0]:
                 nxt[state] = (value, prev)
 
@@ -195,8 +203,7 @@ def choose_layer_groups(dev: Sequence[float] | torch.Tensor, n: int, max_groups:
 
 
 # ---- coverage (paper Appendix A.1) -----------------------------------------------------------
-def entry_sq_error(src_k: torch.Tensor, src_v: torch.Tensor, ex_k: torch.Tensor,
-                   ex_v: torch.Tensor) -> torch.Tensor:
+def entry_sq_error(src_k: torch.Tensor, src_v: torch.Tensor, ex_k: torch.Tensor, ex_v: torch.Tensor) -> torch.Tensor:
     """Squared reuse error per (layer, token) entry, K and V together: ``[layers, tokens]``."""
     dk = src_k.to(torch.float32) - ex_k.to(torch.float32)
     dv = src_v.to(torch.float32) - ex_v.to(torch.float32)

@@ -1,0 +1,1 @@
+"""Analyses over recorded caches (reconstruction coverage, ...)."""

@@ -1,0 +1,219 @@
+"""The ``run`` job: samples -> workflow -> request records -> summary, resumable."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from ..calibration import auto_tau, collect
+from ..engine import Engine
+from ..errors import BenchError
+from ..methods import MethodSpec, resolve_method
+from ..results.provenance import provenance
+from ..results.records import RunDir, write_json
+from ..results.request import RequestRecord
+from ..results.summary import summarize
+from ..workflow import TOPOLOGIES, Workflow, request_records
+from ..workloads import Workload, get_workload
+
+
+@dataclass
+class RunOptions:
+    method: str = "nonshared"
+    workload: str = "mmlu"
+    model: str | None = None
+    limit: int | None = None
+    output_path: str = "runs/latest"
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "float32"
+    subjects: list[str] | None = None
+    data_path: str | None = None
+    max_new_tokens: int | None = None
+    final_max_new_tokens: int | None = None
+    fidelity: bool = False
+    calib_samples: int = 4
+    topology: str = "chain"
+    agents: int | None = None
+    rounds: int = 1
+    target_reuse: float | None = None
+    #: method knobs: the typed flags (tau, rank, anchors, rho, anchor_dtype; None = unset) and
+    #: ``--method-arg KEY=VALUE`` pairs, resolved by :func:`~kvcmas_bench.methods.resolve_method`
+    method_args: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Job options (method knobs are validated by the method itself)."""
+        if self.target_reuse is not None and not 0.0 <= self.target_reuse <= 1.0:
+            raise BenchError(f"--target-reuse must lie in [0, 1], got {self.target_reuse}")
+        if self.calib_samples < 1:
+            raise BenchError(f"--calib-samples must be a positive integer, got {self.calib_samples}")
+        if self.topology not in TOPOLOGIES:
+            raise BenchError(f"unknown --topology {self.topology!r}; use one of {', '.join(TOPOLOGIES)}")
+        if self.agents is not None and self.agents < 2:
+            raise BenchError(f"--agents must be at least 2 (task agents + the final agent), got {self.agents}")
+        if self.rounds < 1:
+            raise BenchError(f"--rounds must be a positive integer, got {self.rounds}")
+        if self.limit is not None and self.limit < 1:
+            raise BenchError(f"--limit must be a positive integer, got {self.limit}")
+        for flag, v in (
+            ("--max-new-tokens", self.max_new_tokens),
+            ("--final-max-new-tokens", self.final_max_new_tokens),
+        ):
+            if v is not None and v < 1:
+                raise BenchError(f"{flag} must be a positive integer, got {v}")
+
+
+def select_samples(samples: list, limit: int | None, seed: int) -> list:
+    """A seeded shuffle, then the first ``limit``: the same seed gives the same subset."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    if limit is not None:
+        order = order[:limit]
+    return [samples[i] for i in order]
+
+
+def calibration_samples(samples: list, evaluated: set[str], n: int, seed: int) -> list:
+    """``n`` samples disjoint from the evaluated ones, from the far end of the seeded order."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    picked = [samples[i] for i in reversed(order) if samples[i].id not in evaluated]
+    return picked[:n]
+
+
+@dataclass
+class Prepared:
+    """Everything a run needs once options are checked, the model loaded and calibration done."""
+
+    workload: Workload
+    spec: MethodSpec
+    samples: list
+    calib: list
+    lm: object
+    engine: Engine
+    method: object = None
+    chosen_tau: float | None = None
+
+    def flow(self, method, opts: RunOptions, fidelity: bool = False) -> Workflow:
+        kw = dict(fidelity=fidelity, topology=opts.topology, agents=opts.agents, rounds=opts.rounds)
+        if self.workload.modality != "text":
+            from ..workflow_vlm import VLMWorkflow
+
+            return VLMWorkflow(
+                self.engine,
+                method,
+                self.workload,
+                opts.max_new_tokens,
+                opts.final_max_new_tokens,
+                processor=self.lm.processor,
+                **kw,
+            )
+        return Workflow(self.engine, method, self.workload, opts.max_new_tokens, opts.final_max_new_tokens, **kw)
+
+
+def prepare(opts: RunOptions) -> Prepared:
+    """Check every option, load data and model, calibrate: all the work before the first sample."""
+    from ..modeling import load_model, resolve_device, resolve_dtype
+
+    opts.validate()
+    workload = get_workload(opts.workload, data_path=opts.data_path, subjects=opts.subjects)
+    spec = resolve_method(opts.method, opts.method_args, workload)
+    if opts.target_reuse is not None and "tau" not in spec.cls.knobs():
+        raise BenchError(f"--target-reuse applies to methods with a gate threshold, not {opts.method!r}")
+    device = resolve_device(opts.device)
+    resolve_dtype(opts.dtype)
+    all_samples = workload.load()
+    samples = select_samples(all_samples, opts.limit, opts.seed)
+    if not samples:
+        raise BenchError("no samples selected (check --subjects / --data-path)")
+    calib: list = []
+    if spec.cls.needs_calibration or opts.target_reuse is not None:
+        calib = calibration_samples(all_samples, {s.id for s in samples}, opts.calib_samples, opts.seed)
+        if not calib:
+            raise BenchError("no calibration samples left outside the evaluated ones; lower --limit")
+    if workload.modality != "text":
+        from ..modeling_vlm import load_vlm
+
+        lm = load_vlm(opts.model, opts.dtype, str(device))
+    else:
+        lm = load_model(opts.model, opts.dtype, str(device))
+    p = Prepared(workload, spec, samples, calib, lm, Engine(lm.model, lm.tokenizer))
+    p.method = spec()
+    if p.method.needs_calibration:
+        obs = collect(lambda m: p.flow(m, opts), calib, with_reference=p.method.calibration_reference)
+        p.method.calibrate(obs, p.engine.n_layers)
+    if opts.target_reuse is not None:
+        p.method, p.chosen_tau = auto_tau(p.method, lambda m: p.flow(m, opts), calib, opts.target_reuse)
+    return p
+
+
+def run_config(opts: RunOptions, p: Prepared, flow: Workflow) -> dict:
+    return {
+        "method": opts.method,
+        "method_config": p.method.config(),
+        "workload": opts.workload,
+        "model": p.lm.name,
+        "model_source": p.lm.source,
+        "dtype": opts.dtype,
+        "device": str(p.engine.device),
+        "seed": opts.seed,
+        "limit": opts.limit,
+        "subjects": opts.subjects,
+        "data_path": opts.data_path,
+        "max_new_tokens": flow.max_new,
+        "final_max_new_tokens": flow.final_max_new,
+        "fidelity": opts.fidelity,
+        "topology": opts.topology,
+        "n_agents": flow.n_agents,
+        "rounds": opts.rounds,
+        "calibration_samples": [s.id for s in p.calib],
+        "target_reuse": opts.target_reuse,
+        "auto_tau": p.chosen_tau,
+        "agents": [r.name for r, _ in flow.agents()],
+        "prefix_caching": False,
+        "decoding": "greedy",
+        "engine": "in-process (one request at a time)",
+        **provenance(p.engine.device),
+    }
+
+
+def run(opts: RunOptions, progress=None) -> dict:
+    """Run (or resume) one benchmark and return its summary."""
+    p = prepare(opts)
+    flow = p.flow(p.method, opts, opts.fidelity)
+    out = RunDir(opts.output_path, run_config(opts, p, flow))
+    todo = [s for s in p.samples if s.id not in out.done_ids]
+    if progress is not None:
+        progress.start(total=len(p.samples), done=len(p.samples) - len(todo))
+    for sample in todo:
+        sample_rec, req_recs = run_one(flow, sample, p.engine, p.method)
+        out.append(sample_rec, req_recs)
+        if progress is not None:
+            progress.advance(sample_rec)
+    wanted = {s.id for s in p.samples}
+    summary = summarize(
+        [s for s in out.samples if s["sample_id"] in wanted],
+        [r for r in out.requests if r.sample_id in wanted],
+        {"method": opts.method, "workload": opts.workload, "model": p.lm.name, "device": str(p.engine.device)},
+    )
+    write_json(out.summary_path, summary)
+    return summary
+
+
+def run_one(flow: Workflow, sample, engine: Engine, method) -> tuple[dict, list[RequestRecord]]:
+    """Run one sample through the workflow; return its sample record and request records."""
+    sr = flow.run_sample(sample)
+    pred, correct = flow.workload.score(sample, sr.final_text)
+    reqs = request_records(sr, engine.n_layers, sample_id=sample.id)
+    sample_rec = {
+        "sample_id": sample.id,
+        "gold": sample.gold,
+        "prediction": pred,
+        "correct": bool(correct),
+        "latency_s": sum(s.result.e2e_s for s in sr.steps),
+        "ttft_s": sum(s.result.ttft_s for s in sr.steps) / len(sr.steps),
+        "final_output": sr.final_text,
+        "meta": sample.meta,
+    }
+    if sr.visual is not None:
+        sample_rec["visual"] = sr.visual
+    return sample_rec, reqs

@@ -1,0 +1,470 @@
+"""The ``serve-sweep`` job: serve controlled traces with every method on a backend, across QPS.
+
+For every shared-context length the controlled traces (:mod:`~kvcmas_bench.serving.traces`) are
+built once (or loaded), each method is prepared on the backend (calibration and warm-up on held-out
+trajectories) and the backend serves the evaluated trajectories under the seeded arrivals of every
+QPS value (:mod:`~kvcmas_bench.serving.arrivals`; the same pattern, scaled by 1/qps, for every
+method), returning served timelines. QPS counts trajectory starts per second; agent ``j + 1``
+arrives when agent ``j`` completes; QPS 0 is single stream. The in-process backend measures each
+request once in isolation and replays the service times on a one-request-at-a-time FCFS server.
+
+Output directory: ``config.json``, ``traces.jsonl`` (replayable), ``service.jsonl`` (one isolated
+measurement a line, replaying backends), ``requests.jsonl`` (one served request per
+method/shared/qps a line, with its timeline), ``summary.json`` (one row per method/shared/qps) and
+the TTFT plots. Measuring resumes: (method, shared length) pairs already in ``service.jsonl`` are not
+measured again when the measurement settings match; :func:`evaluate_service` re-sweeps saved
+measurements without a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..console import print_sweep_table
+from ..errors import BenchError
+from ..methods import MethodSpec, expand_methods, resolve_methods
+from ..results.provenance import provenance
+from ..results.records import write_json
+from ..results.request import RequestRecord
+from ..serving.arrivals import arrival_times, check_rate
+from ..serving.backends import Backend, get_backend, replay_all
+from ..serving.metrics import DEFINITIONS, QPS_UNIT, sweep_row
+from ..serving.traces import DEFAULT_ACCUMULATED_CONTEXT, N_AGENTS, Trace, build_traces, load_traces, save_traces
+
+# settings that change measured service times: a resumed output directory must match them
+MEASURE_KEYS = ("model", "dtype", "device", "backend", "method_args", "traces_sha256", "ignore_eos", "warmup")
+#: the workload whose questions form the shared context; its per-workload knob defaults (tau) apply
+TEXT_WORKLOAD = "mmlu"
+
+Measured = dict[tuple[str, int], list[list[RequestRecord]]]
+
+
+def validate(
+    methods: Sequence[str],
+    qps: Sequence[float],
+    shared_tokens: Sequence[int],
+    num_trajectories: int,
+    burstiness: float,
+    output_tokens: int,
+    calib_trajectories: int,
+    from_file: bool,
+) -> tuple[list[str], list[float]]:
+    names = expand_methods(methods)
+    if not qps:
+        raise BenchError("no QPS values given (0 = single stream)")
+    for q in qps:
+        check_rate(float(q), burstiness)
+    check_rate(0.0, burstiness)
+    if not from_file and not shared_tokens:
+        raise BenchError("no shared-context lengths given")
+    for s in shared_tokens:
+        if int(s) != s or s < 1:
+            raise BenchError(f"--shared-tokens values must be positive integers, got {s}")
+    if int(num_trajectories) != num_trajectories or num_trajectories < 1:
+        raise BenchError(f"--trajectories must be a positive integer, got {num_trajectories}")
+    if int(output_tokens) != output_tokens or output_tokens < 1:
+        raise BenchError(f"--output-tokens must be a positive integer, got {output_tokens}")
+    if calib_trajectories < 0:
+        raise BenchError(f"calibration trajectories must be >= 0, got {calib_trajectories}")
+    return names, sorted({float(q) for q in qps})
+
+
+def check_fits(traces: Sequence[Trace], max_positions: int | None, vocab: int | None) -> None:
+    """Every agent's prompt + output must fit the model context; every id the vocabulary."""
+    for tr in traces:
+        need = tr.max_positions()
+        if max_positions is not None and need > max_positions:
+            what = (
+                f"accumulated output of {tr.shared_tokens} tokens"
+                if tr.accumulated
+                else f"shared context of {tr.shared_tokens} tokens"
+            )
+            raise BenchError(
+                f"{what} does not fit the model: the {len(tr.agents)} agents' prompts + "
+                f"outputs reach {need} positions > max_position_embeddings {max_positions}; "
+                "lower --shared-tokens or --output-tokens"
+            )
+        if vocab is not None:
+            top = max(
+                [max(tr.context_ids, default=0)]
+                + [max(s["ids"], default=0) for a in tr.agents for s in a.segments if s["kind"] == "PF"]
+            )
+            if top >= vocab:
+                raise BenchError(
+                    f"trace {tr.id} holds token id {top} >= vocabulary size {vocab} (built with another tokenizer?)"
+                )
+
+
+@dataclass
+class SweepSpec:
+    """Validated inputs of one sweep: methods, QPS values and the traces to serve."""
+
+    specs: dict[str, MethodSpec]
+    qps: list[float]
+    num_trajectories: int
+    burstiness: float
+    seed: int
+    accumulated: bool
+    traces_path: str | None
+    groups: dict[int, tuple[list[Trace], list[Trace]]] = field(default_factory=dict)
+
+    @property
+    def traces(self) -> list[Trace]:
+        return [t for ev, cal in self.groups.values() for t in ev + cal]
+
+    def schedules(self, n: int) -> dict[float, list[float] | None]:
+        out = {}
+        for q in self.qps:
+            arr = arrival_times(n, q, self.burstiness, self.seed)
+            out[q] = None if arr is None else list(arr)
+        return out
+
+
+def _groups_from_file(
+    traces: list[Trace], path: str, shared_tokens: Sequence[int], n: int, accumulated: bool, needs_calib: list[str]
+) -> dict[int, tuple[list[Trace], list[Trace]]]:
+    kinds = {t.accumulated for t in traces}
+    if kinds != {accumulated}:
+        raise BenchError(
+            f"{path} holds {'accumulated' if True in kinds else 'controlled'} traces "
+            f"but accumulated={accumulated} was asked"
+        )
+    lengths = sorted({t.shared_tokens for t in traces})
+    groups = {}
+    for s in list(dict.fromkeys(int(x) for x in shared_tokens)) or lengths:
+        ev = [t for t in traces if t.shared_tokens == s and t.split == "eval"]
+        cal = [t for t in traces if t.shared_tokens == s and t.split == "calibration"]
+        if not ev:
+            raise BenchError(f"{path} has no trajectories with shared_tokens {s} (has {lengths})")
+        if len(ev) < n:
+            raise BenchError(f"{path} has {len(ev)} trajectories at shared_tokens {s}, {n} asked")
+        if needs_calib and not cal:
+            raise BenchError(f"{path} has no calibration trajectories for {', '.join(needs_calib)}")
+        groups[s] = (ev[:n], cal)
+    return groups
+
+
+def _built_groups(
+    tokenizer,
+    shared_tokens: Sequence[int],
+    n: int,
+    output_tokens: int,
+    seed: int,
+    accumulated: bool,
+    context_tokens: int,
+    calib: int,
+    texts,
+) -> dict:
+    if texts is None:
+        from ..serving.traces import mmlu_texts
+
+        texts = mmlu_texts()
+    groups = {}
+    for s in dict.fromkeys(int(x) for x in shared_tokens):
+        trs = build_traces(tokenizer, n, s, output_tokens, seed, accumulated, context_tokens, calib, texts=texts)
+        groups[s] = ([t for t in trs if t.split == "eval"], [t for t in trs if t.split == "calibration"])
+    return groups
+
+
+def sweep_config(
+    sweep: SweepSpec, backend: Backend, out_dir: Path, method_args: dict, dtype: str, ignore_eos: bool, warmup: bool
+) -> dict:
+    traces = sweep.traces
+    device = str(backend.describe().get("device"))
+    return {
+        "command": "serve-sweep",
+        "methods": list(sweep.specs),
+        "qps": sweep.qps,
+        "qps_unit": QPS_UNIT,
+        "shared_tokens": list(sweep.groups),
+        "accumulated": sweep.accumulated,
+        "context_tokens": sorted({t.context_tokens for t in traces}),
+        "output_tokens": sorted({t.output_tokens for t in traces}),
+        "num_trajectories": sweep.num_trajectories,
+        "calibration_trajectories": {s: [t.id for t in cal] for s, (_, cal) in sweep.groups.items()},
+        "burstiness": sweep.burstiness,
+        "seed": sweep.seed,
+        "traces_path": sweep.traces_path,
+        "traces_sha256": hashlib.sha256((out_dir / "traces.jsonl").read_bytes()).hexdigest(),
+        "model": backend.model_name,
+        "model_source": backend.model_source,
+        "dtype": dtype,
+        "device": device,
+        "backend": backend.name,
+        "method_args": method_args,
+        "ignore_eos": ignore_eos,
+        "warmup": warmup,
+        "server": backend.server,
+        "agents": [a.name for a in traces[0].agents],
+        "topology": f"chain of {N_AGENTS} agents",
+        **provenance(device if device.startswith(("cpu", "cuda")) else "cpu"),
+    }
+
+
+def open_dir(out_dir: Path, config: dict, num_trajectories: int) -> Measured:
+    """Check a resumed directory's measurement settings; return its complete saved measurements
+    (and rewrite ``service.jsonl`` without torn or partial groups)."""
+    cfg_path = out_dir / "config.json"
+    service_path = out_dir / "service.jsonl"
+    saved: Measured = {}
+    if cfg_path.exists():
+        try:
+            old = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            raise BenchError(f"{cfg_path} is not valid JSON; use another --output-path") from None
+        diff = [k for k in MEASURE_KEYS if old.get(k) != config.get(k)]
+        if diff and diff[0] == "traces_sha256":
+            raise BenchError(
+                f"{out_dir} holds a sweep measured on other traces (shared lengths, trajectories, "
+                "output tokens or seed differ); use another --output-path"
+            )
+        if diff:
+            raise BenchError(
+                f"{out_dir} holds a sweep measured with a different {diff[0]} "
+                f"({old.get(diff[0])!r} vs {config.get(diff[0])!r}); use another --output-path"
+            )
+        saved = _read_service(service_path)
+        config["method_configs"] = dict(old.get("method_configs") or {})
+    elif service_path.exists():
+        service_path.unlink()
+    saved = {k: v for k, v in saved.items() if len(v) >= num_trajectories and all(len(tr) == N_AGENTS for tr in v)}
+    _write_jsonl(service_path, [r.to_dict() for v in saved.values() for tr in v for r in tr])
+    return saved
+
+
+def serve_sweep(
+    methods: list[str],
+    qps: list[float],
+    shared_tokens: list[int],
+    num_trajectories: int,
+    output_path: str,
+    model=None,
+    device: str = "auto",
+    dtype: str = "float32",
+    seed: int = 0,
+    burstiness: float = 1.0,
+    output_tokens: int = 128,
+    accumulated: bool = False,
+    traces_path: str | None = None,
+    *,
+    context_tokens: int = DEFAULT_ACCUMULATED_CONTEXT,
+    calib_trajectories: int = 2,
+    method_args: dict | None = None,
+    ignore_eos: bool = True,
+    warmup: bool = True,
+    plots: bool = True,
+    console=None,
+    show_table: bool = True,
+    progress: Callable[[str], None] | None = None,
+    texts=None,
+    backend: Backend | str | None = None,
+) -> dict:
+    """Serve every method on every shared length across all QPS values and write the results.
+
+    ``methods``: names or ``["all"]``; ``qps``: trajectory starts per second, 0 = single stream;
+    ``shared_tokens``: non-generated shared context lengths (``accumulated=True``: accumulated
+    agent-output lengths over ``context_tokens`` of context, ``// 3`` generated per agent);
+    ``traces_path``: replay a saved ``traces.jsonl`` instead of building traces (its lengths are
+    selected by ``shared_tokens``; an empty list takes all). ``method_args``: knob values (typed
+    flags and ``--method-arg`` pairs; None = unset), validated for the selected methods before any
+    model is loaded. ``backend``: a registered backend name (default ``in-process``, built from
+    ``model``/``device``/``dtype``/``ignore_eos``/``warmup``) or a :class:`Backend` instance.
+    ``console``: rich Console for the table (default stdout); ``progress``: callback for one-line
+    progress messages. Returns the summary dict (also written to ``output_path/summary.json``).
+    Raises :class:`BenchError` on bad input.
+    """
+    from rich.console import Console
+
+    from ..workloads import get_workload
+
+    names, qps_list = validate(
+        methods,
+        qps,
+        shared_tokens,
+        num_trajectories,
+        burstiness,
+        output_tokens,
+        calib_trajectories,
+        traces_path is not None,
+    )
+    specs = resolve_methods(names, method_args, get_workload(TEXT_WORKLOAD))
+    needs_calib = [n for n, s in specs.items() if s.cls.needs_calibration]
+    if needs_calib and calib_trajectories < 1 and traces_path is None:
+        raise BenchError(f"{', '.join(needs_calib)} need calibration trajectories (calib_trajectories >= 1)")
+    console = console if console is not None else Console()
+    say = progress or (lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    out_dir = Path(output_path)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BenchError(f"--output-path {out_dir} exists and is not a directory")
+    loaded = load_traces(traces_path) if traces_path else None
+    if backend is None or isinstance(backend, str):
+        backend = get_backend(
+            backend or "in-process", model=model, device=device, dtype=dtype, ignore_eos=ignore_eos, warmup=warmup
+        )
+    sweep = SweepSpec(specs, qps_list, num_trajectories, burstiness, seed, accumulated, traces_path)
+    sweep.groups = (
+        _groups_from_file(loaded, traces_path, shared_tokens, num_trajectories, accumulated, needs_calib)
+        if loaded is not None
+        else _built_groups(
+            backend.tokenizer,
+            shared_tokens,
+            num_trajectories,
+            output_tokens,
+            seed,
+            accumulated,
+            context_tokens,
+            calib_trajectories,
+            texts,
+        )
+    )
+    check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_traces(sweep.traces, out_dir / "traces.jsonl")
+    config = sweep_config(sweep, backend, out_dir, method_args or {}, dtype, ignore_eos, warmup)
+    saved = open_dir(out_dir, config, num_trajectories)
+    config["backend_config"] = backend.describe()
+    write_json(out_dir / "config.json", config)
+    timelines = serve_all(sweep, backend, saved, config, out_dir / "service.jsonl", say)
+    config["backend_config"] = backend.describe()
+    write_json(out_dir / "config.json", config)
+    return finish(out_dir, config, timelines, plots, console if show_table else None)
+
+
+def serve_all(
+    sweep: SweepSpec, backend: Backend, saved: Measured, config: dict, service_path: Path, say: Callable[[str], None]
+) -> dict[tuple[str, int], dict[float, list[RequestRecord]]]:
+    """Every (method, shared length) group: reuse saved measurements where possible, else serve."""
+    out = {}
+    for s, (ev, cal) in sweep.groups.items():
+        schedules = sweep.schedules(len(ev))
+        for name, spec in sweep.specs.items():
+            prev = saved.get((name, s))
+            if (
+                backend.replays_service
+                and prev is not None
+                and [tr[0].trajectory for tr in prev][: len(ev)] == [t.id for t in ev]
+            ):
+                say(f"{name} @ {s} shared tokens: reusing saved measurements")
+                out[(name, s)] = replay_all(prev[: len(ev)], schedules)
+                continue
+            say(f"{name} @ {s} shared tokens: preparing (calibration/warm-up on {len(cal)} held-out trajectories)")
+            m = backend.prepare(spec, cal)
+            config.setdefault("method_configs", {})[name] = m.config()
+            res = backend.serve(m, ev, schedules)
+            del m
+            if res.service is not None:
+                for tr in res.service:
+                    for r in tr:
+                        r.method, r.shared_tokens = name, s
+                    took = sum(r.e2e_s for r in tr)
+                    say(f"{name} @ {s}: trajectory {tr[0].trajectory} measured ({took:.2f} s service)")
+                _append_service(service_path, res.service)
+            for recs in res.timelines.values():
+                for r in recs:
+                    r.method, r.shared_tokens = name, s
+            out[(name, s)] = res.timelines
+    return out
+
+
+def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, console=None) -> dict:
+    """Rows from the served timelines; write requests.jsonl, summary.json, plots; print the table."""
+    rows, requests = [], []
+    for (method, shared), per_qps in timelines.items():
+        for q, served in per_qps.items():
+            rows.append(sweep_row(method, shared, q, served))
+            requests.extend(r.to_dict() for r in served)
+    _write_jsonl(out_dir / "requests.jsonl", requests)
+    summary = {
+        "server": config.get("server"),
+        "engine": config.get("backend"),
+        "qps_unit": QPS_UNIT,
+        "qps": list(config["qps"]),
+        "burstiness": config["burstiness"],
+        "seed": config["seed"],
+        "model": config.get("model"),
+        "device": config.get("device"),
+        "accumulated": config.get("accumulated"),
+        "definitions": DEFINITIONS,
+        "rows": rows,
+        "plots": [],
+    }
+    if plots:
+        from ..serving.plots import plot_all
+
+        summary["plots"] = [p.name for p in plot_all(rows, out_dir, bool(config.get("accumulated")))]
+    write_json(out_dir / "summary.json", summary)
+    if console is not None:
+        print_sweep_table(summary, console)
+    return summary
+
+
+def evaluate_service(
+    output_path: str,
+    qps: list[float],
+    burstiness: float | None = None,
+    seed: int | None = None,
+    plots: bool = True,
+    console=None,
+) -> dict:
+    """Re-sweep the measurements saved in ``output_path`` (no model needed) at other QPS values."""
+    out_dir = Path(output_path)
+    cfg_path = out_dir / "config.json"
+    if not cfg_path.exists():
+        raise BenchError(f"{out_dir} holds no serve-sweep (config.json missing)")
+    config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    burstiness = config.get("burstiness", 1.0) if burstiness is None else burstiness
+    seed = config.get("seed", 0) if seed is None else seed
+    _, qps_list = validate(config["methods"], qps, [], 1, burstiness, 1, 0, True)
+    measured = _read_service(out_dir / "service.jsonl")
+    if not measured:
+        raise BenchError(f"{out_dir}/service.jsonl holds no measurements")
+    n = config.get("num_trajectories")
+    config.update(qps=qps_list, burstiness=burstiness, seed=seed)
+    sweep = SweepSpec({}, qps_list, n, burstiness, seed, bool(config.get("accumulated")), None)
+    timelines = {
+        k: replay_all(v[:n], sweep.schedules(len(v[:n])))
+        for k, v in measured.items()
+        if k[0] in config["methods"] and k[1] in config["shared_tokens"]
+    }
+    write_json(cfg_path, config)
+    return finish(out_dir, config, timelines, plots, console)
+
+
+# ---- output directory -----------------------------------------------------------------------------
+def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, default=str) + "\n")
+    tmp.replace(path)
+
+
+def _read_service(path: Path) -> Measured:
+    """Saved measurements, grouped (method, shared) -> trajectories -> agents; torn lines dropped."""
+    groups: dict[tuple[str, int], dict[str, list[RequestRecord]]] = {}
+    if not path.exists():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break
+            try:
+                rec = RequestRecord.from_dict(json.loads(line))
+            except json.JSONDecodeError:
+                break
+            groups.setdefault((rec.method, int(rec.shared_tokens)), {}).setdefault(rec.trajectory, []).append(rec)
+    return {k: [sorted(v, key=lambda r: r.step) for v in trajs.values()] for k, trajs in groups.items()}
+
+
+def _append_service(path: Path, service: list[list[RequestRecord]]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        for tr in service:
+            for r in tr:
+                f.write(json.dumps(r.to_dict(), default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

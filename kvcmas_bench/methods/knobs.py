@@ -1,0 +1,149 @@
+"""Method options from the command line: the one resolution path of ``run``, ``serve-sweep``,
+``coverage`` and every later job.
+
+The CLI keeps typed flags for the common knobs (``--tau --rank --anchors --rho --anchor-dtype``)
+and takes any other knob as ``--method-arg KEY=VALUE`` (repeatable). Both land in one dict of
+knob values; :func:`resolve_methods` checks every key against the selected methods' dataclass
+fields, converts strings to the field's type, applies workload defaults, and builds one instance
+per method (so each method's own ``validate`` runs) before any model is loaded. A key no selected
+method has is an error, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+from ..errors import BenchError, OptionError
+from .base import METHODS, Method
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_NONE = {"none", "null"}
+
+
+def parse_method_args(items: Sequence[str] | None) -> dict[str, str]:
+    """``["rank=16", "check_layer=2"]`` -> ``{"rank": "16", "check_layer": "2"}`` (dashes -> underscores)."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise BenchError(f"--method-arg takes KEY=VALUE, got {item!r}")
+        out[key] = value.strip()
+    return out
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def convert(cls: type[Method], key: str, value):
+    """A knob value converted to the type of ``cls``'s field ``key`` (strings from the CLI)."""
+    hint = typing.get_type_hints(cls)[key]
+    args = typing.get_args(hint)
+    optional = typing.get_origin(hint) in (Union, types.UnionType) and type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if optional and text.lower() in _NONE:
+        return None
+    try:
+        if base is bool:
+            if text.lower() in _TRUE | _FALSE:
+                return text.lower() in _TRUE
+            raise ValueError
+        if base is int:
+            return int(text)
+        if base is float:
+            v = float(text)
+            if math.isnan(v):
+                raise OptionError(f"{_flag(key)} must be a number, got {value!r}")
+            return v
+        if base is str:
+            return text
+    except ValueError:
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(base, str(base))
+        raise OptionError(
+            f"{_flag(key)} of method {cls.name!r} must be {kind}{' or none' if optional else ''}, got {value!r}"
+        ) from None
+    raise OptionError(f"{_flag(key)} of method {cls.name!r} cannot be set from the command line")
+
+
+def method_class(name: str) -> type[Method]:
+    if name not in METHODS or name.startswith("_"):
+        raise BenchError(
+            f"unknown method {name!r}; available: {', '.join(sorted(n for n in METHODS if not n.startswith('_')))}"
+        )
+    return METHODS[name]
+
+
+def resolve_methods(
+    names: Sequence[str], args: Mapping[str, object] | None = None, workload=None
+) -> dict[str, MethodSpec]:
+    """Validate ``args`` (knob -> value; None = unset) for ``names`` and return a factory of fresh,
+    validated instances per method.
+
+    With one method every key must be one of its knobs. With several, a key applies to the
+    methods that have it and must apply to at least one. Workload defaults (tau) come first, user
+    values override them. Each method is built once here, so invalid values fail before any work.
+    """
+    args = {k: v for k, v in (args or {}).items() if v is not None}
+    classes = {n: method_class(n) for n in names}
+    for key in args:
+        owners = [n for n, cls in classes.items() if key in cls.knobs()]
+        if not owners:
+            which = f"method {names[0]!r}" if len(names) == 1 else f"any of the methods {', '.join(names)}"
+            known = sorted({k for cls in classes.values() for k in cls.knobs()})
+            raise OptionError(f"{_flag(key)} does not apply to {which} (options: {', '.join(known) or 'none'})")
+    factories: dict[str, MethodSpec] = {}
+    for name, cls in classes.items():
+        kw = dict(cls.workload_defaults(workload)) if workload is not None else {}
+        kw.update({k: convert(cls, k, v) for k, v in args.items() if k in cls.knobs()})
+        try:
+            cls(**kw)
+        except OptionError as exc:
+            raise OptionError(f"method {name!r}: {exc}") from None
+        factories[name] = MethodSpec(cls, kw)
+    return factories
+
+
+def resolve_method(name: str, args: Mapping[str, object] | None = None, workload=None) -> MethodSpec:
+    return resolve_methods([name], args, workload)[name]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A validated method choice: calling it builds a fresh instance (fresh pools, no calibration)."""
+
+    cls: type[Method]
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        return self.cls.name
+
+    def __call__(self, **overrides) -> Method:
+        return self.cls(**{**self.kwargs, **overrides})
+
+
+def expand_methods(methods: Sequence[str]) -> list[str]:
+    """Method names with ``all`` expanded (NonShared and FullShared first), duplicates dropped."""
+    if not methods:
+        raise BenchError("no methods given (use a comma-separated list or 'all')")
+    public = [n for n in METHODS if not n.startswith("_")]
+    every = [n for n in ("nonshared", "fullshared") if n in METHODS] + [
+        n for n in public if n not in ("nonshared", "fullshared")
+    ]
+    out: list[str] = []
+    for m in methods:
+        for n in every if m == "all" else [m]:
+            method_class(n)
+            if n not in out:
+                out.append(n)
+    return out

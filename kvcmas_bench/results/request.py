@@ -1,0 +1,125 @@
+"""The one request record: what every job writes to ``requests.jsonl`` and every reader reads.
+
+A :class:`RequestRecord` is one agent request: who ran it (sample or trajectory, node, agent), what
+it cost (TTFT, E2E, token counts, bytes, peak memory), how every segment of its prompt was
+materialized (:class:`SegmentRecord`), the method's accounting during the request, and, when
+measured, its fidelity against dense prefill. ``run`` writes one per agent request; ``serve-sweep``
+writes one per measured request (``service.jsonl``) and one per served request under load
+(``requests.jsonl``, with the timeline fields set). Summaries, the queueing replay and reports read
+them back with :meth:`RequestRecord.from_dict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class SegmentRecord:
+    """How one prompt segment was materialized.
+
+    ``status``: ``exact`` (prefilled densely), ``reused`` (aligned source as is), ``corrected``
+    (delta correction applied), ``recomputed`` (selective recomputation). ``eligible``: the segment
+    counts in the reuse-ratio denominator. ``details``: method accounting of this segment (gate
+    entropy, comparison prefix, anchors used, ...).
+    """
+
+    kind: str
+    tokens: int
+    status: str = "exact"
+    name: str | None = None
+    slot: str | None = None
+    source_agent: str | None = None
+    eligible: bool = False
+    reused_tokens: int = 0
+    recomputed_token_layers: int = 0
+    kv_rel_error: float | None = None
+    k_rel_error: float | None = None
+    v_rel_error: float | None = None
+    kv_rel_error_per_layer: list[float] | None = None
+    details: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return _compact(asdict(self), keep=("status",) if self.kind == "PF" else ("status", "source_agent"))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SegmentRecord:
+        return _build(cls, d)
+
+
+@dataclass
+class RequestRecord:
+    """One agent request of a run or a sweep (see the module docstring)."""
+
+    agent: str
+    ttft_s: float
+    e2e_s: float
+    sample_id: str | None = None
+    step: int | None = None
+    node: str | None = None
+    method: str | None = None
+    trajectory: str | None = None
+    shared_tokens: int | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    prefilled_tokens: int = 0
+    reused_tokens: int = 0
+    eligible_tokens: int = 0
+    reference_tokens: int = 0
+    recomputed_token_layers: int = 0
+    layers: int = 0
+    kv_bytes: int = 0
+    shared_store_bytes: int = 0
+    method_state_bytes: int = 0
+    kv_state_bytes: int = 0
+    peak_rss_bytes: int | None = None
+    device_peak_bytes: int | None = None
+    peak_mem_bytes: int | None = None
+    segments: list[SegmentRecord] = field(default_factory=list)
+    method_stats: dict = field(default_factory=dict)
+    output: str | None = None
+    #: the greedy first token (also when it is EOS and the output is empty): first-token agreement
+    first_token_id: int | None = None
+    top1_agree: bool | None = None
+    first_token_kl: float | None = None
+    kv_rel_error: float | None = None
+    # timeline under load (serve-sweep requests.jsonl): seconds on the sweep's clock
+    qps: float | None = None
+    arrival_s: float | None = None
+    start_s: float | None = None
+    first_token_s: float | None = None
+    completion_s: float | None = None
+    queue_s: float | None = None
+    service_ttft_s: float | None = None
+    service_e2e_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.segments = [s if isinstance(s, SegmentRecord) else SegmentRecord.from_dict(s) for s in self.segments]
+        if self.peak_mem_bytes is None:
+            self.peak_mem_bytes = self.device_peak_bytes if self.device_peak_bytes is not None else self.peak_rss_bytes
+
+    @property
+    def shared_segments(self) -> list[SegmentRecord]:
+        return [s for s in self.segments if s.kind == "PH"]
+
+    def to_dict(self) -> dict:
+        d = _compact(asdict(self), keep=("sample_id", "step") if self.sample_id is not None else ())
+        d["segments"] = [s.to_dict() for s in self.segments]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RequestRecord:
+        return _build(cls, d)
+
+
+def _compact(d: dict, keep: tuple[str, ...] = ()) -> dict:
+    """Drop unset optional fields (None, empty dicts) so records stay short; ``keep`` stays."""
+    return {k: v for k, v in d.items() if k in keep or not (v is None or (isinstance(v, dict) and not v))}
+
+
+def _build(cls, d: dict):
+    names = {f.name for f in fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s): {', '.join(sorted(unknown))}")
+    return cls(**d)

@@ -1,0 +1,103 @@
+"""Metrics of a serve-sweep: one function from served timelines to a summary row.
+
+Every backend returns :class:`~kvcmas_bench.results.RequestRecord` rows with their timeline
+(arrival, start, first token, completion) and, where measured in isolation, their service TTFT/E2E;
+:func:`sweep_row` turns one (method, shared length, QPS) group of them into the row of
+``summary.json`` and of the console table, in the manner of ``vllm bench serve``'s metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..results.request import RequestRecord
+from ..results.summary import records_frame, reuse_ratio
+
+PERCENTILES = (50, 90, 99)
+QPS_UNIT = "trajectory starts per second (each trajectory = 4 dependent agent requests)"
+DEFINITIONS = {
+    "ttft_pXX_s": "numpy.percentile (linear) over all agent requests of first-token time - arrival, under load",
+    "e2e_pXX_s": "completion - arrival, under load",
+    "service_ttft_mean_s / service_e2e_mean_s": "measured in isolation (engine ttft_s / e2e_s; TTFT includes "
+    "correction and reference-prefill work)",
+    "trajectory_service_mean_s": "sum of the 4 agents' measured E2E, mean over trajectories",
+    "utilization": "offered load = qps x trajectory_service_mean_s (None for single stream); >= 1 saturates",
+    "busy_fraction": "total service time / makespan",
+    "makespan_s": "last completion - first arrival on the virtual clock",
+    "throughput_req_s / throughput_tok_s": "agent requests / generated tokens per second of makespan",
+    "peak_mem_bytes": "max over requests of the device peak (CUDA) or process peak RSS; the peak is reset "
+    "before each method's measured trajectories where the OS allows (see backend_config)",
+    "kv_state_peak_bytes": "max over requests of request KV + the trajectory's shared-segment store + "
+    "method.state_bytes() (anchor pools, references, calibration tables)",
+    "reuse_ratio": "kvcmas_bench.results.summary.reuse_ratio over the measured requests",
+}
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """``numpy.percentile`` (linear interpolation) of ``values``; None when empty."""
+    if len(values) == 0:
+        return None
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def served_metrics(served: Sequence[RequestRecord], qps: float) -> dict:
+    """TTFT/E2E percentiles under load, throughput over the makespan, offered load."""
+    by_traj: dict[str, list[RequestRecord]] = {}
+    for r in served:
+        by_traj.setdefault(r.trajectory, []).append(r)
+    makespan = max(r.completion_s for r in served) - min(r.arrival_s for r in served)
+    service = [r.service_e2e_s for r in served]
+    traj_service = [sum(r.service_e2e_s for r in rs) for rs in by_traj.values()] if None not in service else []
+    row: dict = {"n_trajectories": len(by_traj), "n_requests": len(served)}
+    for name, vals in (("ttft", [r.ttft_s for r in served]), ("e2e", [r.e2e_s for r in served])):
+        for q in PERCENTILES:
+            row[f"{name}_p{q}_s"] = percentile(vals, q)
+        row[f"{name}_mean_s"] = float(np.mean(vals))
+    row["queue_mean_s"] = _mean([r.queue_s for r in served])
+    row["service_ttft_mean_s"] = _mean([r.service_ttft_s for r in served])
+    row["service_e2e_mean_s"] = _mean(service)
+    row["trajectory_service_mean_s"] = float(np.mean(traj_service)) if traj_service else None
+    row["makespan_s"] = makespan
+    row["throughput_req_s"] = len(served) / makespan if makespan > 0 else None
+    row["throughput_tok_s"] = sum(r.output_tokens for r in served) / makespan if makespan > 0 else None
+    row["busy_fraction"] = sum(traj_service) / makespan if makespan > 0 and traj_service else None
+    # offered load of the open-loop arrivals; single stream (qps 0) has none
+    mean_traj = row["trajectory_service_mean_s"]
+    row["utilization"] = qps * mean_traj if qps > 0 and mean_traj is not None else None
+    row["saturated"] = bool(row["utilization"] is not None and row["utilization"] >= 1.0)
+    return row
+
+
+def load_metrics(requests: Sequence[RequestRecord]) -> dict:
+    """Load-independent figures of one (method, shared length) group: memory, tokens, reuse."""
+    peaks = [r.peak_mem_bytes for r in requests if r.peak_mem_bytes is not None]
+    return {
+        "peak_mem_bytes": max(peaks) if peaks else None,
+        "peak_mem_kind": "device" if requests and requests[0].device_peak_bytes is not None else "rss",
+        "kv_state_peak_bytes": max(r.kv_state_bytes for r in requests),
+        "method_state_peak_bytes": max(r.method_state_bytes for r in requests),
+        "prompt_tokens_mean": float(np.mean([r.prompt_tokens for r in requests])),
+        "output_tokens_mean": float(np.mean([r.output_tokens for r in requests])),
+        "prefilled_tokens": int(sum(r.prefilled_tokens for r in requests)),
+        "reused_tokens": int(sum(r.reused_tokens for r in requests)),
+        "reference_tokens": int(sum(r.reference_tokens for r in requests)),
+        "reuse_ratio": reuse_ratio(records_frame(list(requests))),
+    }
+
+
+def sweep_row(method: str, shared: int, qps: float, served: Sequence[RequestRecord]) -> dict:
+    """The summary row of one (method, shared length, QPS) point."""
+    return {
+        "method": method,
+        "shared_tokens": shared,
+        "qps": qps,
+        **served_metrics(served, qps),
+        **load_metrics(served),
+    }

@@ -1,0 +1,327 @@
+"""The house rules: no import circle, knobs as data (a method added from a test file runs through
+``run`` and ``serve-sweep``), backends as plugins (a fake backend serves a sweep)."""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import kvcmas_bench
+from kvcmas_bench.methods import Method, register
+from kvcmas_bench.methods.base import METHODS, check
+from kvcmas_bench.results.request import RequestRecord
+from kvcmas_bench.serving.backends import BACKENDS, ServeResult, register_backend
+from kvcmas_bench.serving.queueing import simulate
+
+from .conftest import run_cli
+
+PKG = Path(kvcmas_bench.__file__).parent
+
+
+# ---- import graph ------------------------------------------------------------------------------
+def _modules() -> dict[str, tuple[Path, bool]]:
+    mods = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        mods[".".join(parts[:-1] if is_pkg else parts)] = (p, is_pkg)
+    return mods
+
+
+def _targets(mod: str, is_pkg: bool, node: ast.AST, mods) -> list[str]:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+        prefix = (
+            ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            if node.level
+            else node.module
+        )
+        names = [prefix] + [f"{prefix}.{a.name}" for a in node.names]
+    return [n for n in names if n in mods]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> package modules it imports anywhere (lazy imports and TYPE_CHECKING included),
+    plus the packages whose ``__init__`` such an import runs (not the importer's own parents)."""
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for mod, (path, is_pkg) in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for t in _targets(mod, is_pkg, node, mods):
+                    parts = t.split(".")
+                    deps |= {
+                        a
+                        for a in (".".join(parts[:i]) for i in range(2, len(parts) + 1))
+                        if a in mods and a != mod and not (mod + ".").startswith(a + ".")
+                    }
+        graph[mod] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_detector_finds_a_planted_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_among_the_package_modules():
+    graph = import_graph()
+    assert "kvcmas_bench.engine" in graph and "kvcmas_bench.jobs.run" in graph
+    assert cycles(graph) == []
+
+
+# ---- a method added from this file only ---------------------------------------------------------
+@dataclass
+class ScaledReuse(Method):
+    """Test-only method: reuse the aligned source, scaling its values by ``scale``."""
+
+    name = "scaled"
+    summary = "test method: scaled reuse"
+    scale: float = 1.0
+
+    def validate(self) -> None:
+        check(0.0 < self.scale <= 2.0, f"scale must lie in (0, 2], got {self.scale}")
+
+    def materialize(self, ctx):
+        if ctx.source is None:
+            return ctx.dense()
+        kv = ctx.aligned_source()
+        kv.v = kv.v * self.scale
+        kv.status = "reused"
+        kv.hidden = {}
+        return kv
+
+
+@pytest.fixture
+def public_test_method():
+    """Registered for the duration of a test only (other modules parametrize over METHODS)."""
+    register(ScaledReuse)
+    yield ScaledReuse.name
+    METHODS.pop(ScaledReuse.name, None)
+
+
+def test_toy_method_runs_through_run_with_a_method_arg(tiny_model_dir, tmp_path, public_test_method):
+    out = tmp_path / "run"
+    args = [
+        "run",
+        "--method",
+        public_test_method,
+        "--method-arg",
+        "scale=0.5",
+        "--model",
+        tiny_model_dir,
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "2",
+        "--final-max-new-tokens",
+        "2",
+        "--device",
+        "cpu",
+        "-o",
+        str(out),
+    ]
+    assert run_cli(args) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["method_config"] == {"name": "scaled", "scale": 0.5}
+    reqs = [RequestRecord.from_dict(json.loads(x)) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert [s.status for s in reqs[1].shared_segments][0] == "reused"
+    # the method's own validation and unknown keys: one line, exit 2, before any model loads
+    for bad in ("scale=7", "nope=1", "scale=abc", "scale"):
+        assert run_cli([*args[:3], "--method-arg", bad, *args[5:]]) == 2, bad
+
+
+def test_toy_method_runs_through_serve_sweep(tiny_model_dir, tmp_path, public_test_method):
+    out = tmp_path / "sweep"
+    assert (
+        run_cli(
+            [
+                "serve-sweep",
+                "--methods",
+                f"nonshared,{public_test_method}",
+                "--method-arg",
+                "scale=0.5",
+                "--qps",
+                "0,1",
+                "--shared-tokens",
+                "24",
+                "--trajectories",
+                "1",
+                "--output-tokens",
+                "2",
+                "--model",
+                tiny_model_dir,
+                "--device",
+                "cpu",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert {r["method"] for r in summary["rows"]} == {"nonshared", "scaled"}
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["method_configs"]["scaled"]["scale"] == 0.5
+    # a key no selected method has is an error, never dropped
+    assert (
+        run_cli(
+            [
+                "serve-sweep",
+                "--methods",
+                "nonshared",
+                "--method-arg",
+                "scale=0.5",
+                "--qps",
+                "0",
+                "--shared-tokens",
+                "24",
+                "--trajectories",
+                "1",
+                "--model",
+                tiny_model_dir,
+                "-o",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
+
+
+# ---- a backend added from this file only --------------------------------------------------------
+class FakeTokenizer:
+    chat_template = None
+    name_or_path = "fake-chars"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 90 for c in text]}
+
+
+class FakeBackend:
+    """Serves every request in 10 ms of prefill and 1 ms per output token, one at a time."""
+
+    name = "fake"
+    server = "fake server: fixed service times, FCFS"
+    replays_service = False
+    model_name = "fake-model"
+    model_source = None
+    tokenizer = FakeTokenizer()
+    max_positions = 10_000
+    vocab_size = 100
+    served: list = []
+
+    def describe(self) -> dict:
+        return {"name": self.name, "device": "cpu"}
+
+    def prepare(self, spec, calibration):
+        return spec()
+
+    def serve(self, method, traces, schedules) -> ServeResult:
+        FakeBackend.served.append(method.name)
+        service = [[(0.01, 0.01 + 0.001 * a.max_new_tokens) for a in tr.agents] for tr in traces]
+        out = {}
+        for q, arrivals in schedules.items():
+            out[q] = [
+                RequestRecord(
+                    traces[s.trajectory].agents[s.agent_index].name,
+                    s.ttft_s,
+                    s.e2e_s,
+                    trajectory=traces[s.trajectory].id,
+                    step=s.agent_index,
+                    qps=q,
+                    arrival_s=s.arrival_s,
+                    first_token_s=s.first_token_s,
+                    completion_s=s.completion_s,
+                    output_tokens=traces[s.trajectory].output_tokens,
+                    layers=1,
+                )
+                for s in simulate(service, arrivals)
+            ]
+        return ServeResult(out)
+
+
+@pytest.fixture
+def fake_backend():
+    @register_backend("fake")
+    def make(**options):
+        return FakeBackend()
+
+    yield "fake"
+    BACKENDS.pop("fake", None)
+
+
+def test_fake_backend_runs_through_serve_sweep(tmp_path, fake_backend, monkeypatch):
+    from kvcmas_bench.serving import traces
+
+    monkeypatch.setattr(traces, "mmlu_texts", lambda: [f"question {i} with options" for i in range(50)])
+    FakeBackend.served = []
+    out = tmp_path / "fake"
+    assert (
+        run_cli(
+            [
+                "serve-sweep",
+                "--engine",
+                fake_backend,
+                "--methods",
+                "nonshared,fullshared",
+                "--qps",
+                "0,4",
+                "--shared-tokens",
+                "32",
+                "--trajectories",
+                "2",
+                "--output-tokens",
+                "5",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    assert FakeBackend.served == ["nonshared", "fullshared"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine"] == "fake" and len(summary["rows"]) == 4
+    single = next(r for r in summary["rows"] if r["method"] == "nonshared" and r["qps"] == 0.0)
+    assert single["ttft_p50_s"] == pytest.approx(0.01)  # single stream: nothing queues
+    reqs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(reqs) == 2 * 2 * 2 * 4 and {r["qps"] for r in reqs} == {0.0, 4.0}
+    assert run_cli(["serve-sweep", "--engine", "nope", "-o", str(tmp_path / "y")]) == 2
