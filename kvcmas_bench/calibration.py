@@ -1,7 +1,8 @@
-"""Calibration: run held-out samples densely and record, for every shared segment that has a
-source, the aligned source cache next to the exact target cache (and optionally the context-free
-reference). Methods that profile offline (GraphFlow, DroidSpeak, RelayCaching) and auto-tau build
-their state from these observations. Calibration samples are always disjoint from evaluated ones.
+"""Calibration: run held-out samples densely and record, for every shared segment, the exact target
+cache next to the aligned source cache (segments with a source) and, for context-free-reference
+methods, the reference prefilled alone (every segment, the first agent's included). Methods that
+profile offline (GraphFlow, DroidSpeak, RelayCaching) and auto-tau build their state from these
+observations. Calibration samples are always disjoint from evaluated ones.
 """
 
 from __future__ import annotations
@@ -17,14 +18,19 @@ from .methods.base import Method, state
 
 @dataclass
 class Observation:
+    """One shared segment of a calibration run. ``consumer`` is the workflow node that consumed it
+    (role + position: what relations and anchors are keyed by); ``source`` is None for segments
+    without one (recorded only when the reference is)."""
+
     slot: str
     agent: str
     source_agent: str
     start: int
-    source: SegmentKV
+    source: SegmentKV | None
     exact: SegmentKV
     reference: SegmentKV | None = None
     inv_freq: torch.Tensor | None = None
+    consumer: str = ""
 
 
 @dataclass
@@ -37,24 +43,26 @@ class Recorder(Method):
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
         kv = ctx.dense()
-        if ctx.source is not None:
-            ref = (
-                ctx.engine.prefill_alone(ctx.segment.ids, slot=ctx.slot, embeds=ctx.segment.embeds)
-                if self.with_reference
-                else None
+        if ctx.source is None and not self.with_reference:
+            return kv
+        ref = (
+            ctx.engine.prefill_alone(ctx.segment.ids, slot=ctx.slot, embeds=ctx.segment.embeds)
+            if self.with_reference
+            else None
+        )
+        self.observations.append(
+            Observation(
+                slot=ctx.slot,
+                agent=ctx.agent,
+                source_agent=(ctx.source.agent or "") if ctx.source is not None else "",
+                start=ctx.start,
+                source=ctx.aligned_source() if ctx.source is not None else None,
+                exact=kv,
+                reference=ref,
+                inv_freq=ctx.engine.inv_freq,
+                consumer=ctx.consumer,
             )
-            self.observations.append(
-                Observation(
-                    slot=ctx.slot,
-                    agent=ctx.agent,
-                    source_agent=ctx.source.agent or "",
-                    start=ctx.start,
-                    source=ctx.aligned_source(),
-                    exact=kv,
-                    reference=ref,
-                    inv_freq=ctx.engine.inv_freq,
-                )
-            )
+        )
         return kv
 
 
@@ -101,6 +109,7 @@ class ImportanceRecorder(Recorder):
                 source=ctx.aligned_source(),
                 exact=kv,
                 inv_freq=ctx.engine.inv_freq,
+                consumer=ctx.consumer,
             )
         )
         self.importance.append(got.get("att"))

@@ -37,12 +37,43 @@ def print_run_summary(summary: dict, console: Console) -> None:
         fmt(summary.get("reuse_ratio")),
     )
     console.print(t)
+    acc = summary.get("accounting") or {}
+    line = accounting_line(acc)
+    if line:
+        console.print(line)
     if "fidelity" in summary:
         f = summary["fidelity"]
         console.print(
             f"fidelity: top-1 agreement {fmt(f['top1_agree'])}, first-token KL "
-            f"{fmt(f['first_token_kl'])}, relative KV error {fmt(f['kv_rel_error'])}"
+            f"{fmt(f['first_token_kl'])}, relative KV error {fmt(f['kv_rel_error'])} "
+            f"(all {f.get('segments', '?')} shared segments)"
         )
+        per = [fmt(a.get("kv_rel_error")) for a in f.get("per_agent", [])]
+        if per:
+            console.print(f"  KV error per agent, in execution order: {' / '.join(per)}")
+
+
+ACCOUNTING_LABELS = (
+    ("accepted", "accepted"),
+    ("dense_fallback", "dense fallbacks"),
+    ("nonfinite_fallback", "non-finite"),
+    ("corrected", "corrected"),
+    ("uncalibrated", "uncalibrated"),
+    ("anchors_inserted", "anchors +"),
+    ("anchors_evicted", "anchors -"),
+)
+
+
+def accounting_line(acc: dict) -> str:
+    """One line of a method's key counters (empty for methods that count nothing)."""
+    parts = [f"{label} {acc[k]}" for k, label in ACCOUNTING_LABELS if acc.get(k)]
+    ent = acc.get("gate_entropy") or {}
+    if ent.get("n"):
+        parts.append(f"gate entropy p50 {fmt(ent['p50'])} (n {ent['n']})")
+    segs = acc.get("segments") or {}
+    if segs:
+        parts.append("segments " + ", ".join(f"{k} {v}" for k, v in sorted(segs.items())))
+    return ("method: " + "; ".join(parts)) if parts else ""
 
 
 def print_sweep_table(summary: dict, console: Console) -> None:

@@ -9,7 +9,6 @@ decode, so every method is executed and measured by the same code. Methods decid
 
 from __future__ import annotations
 
-import itertools
 import resource
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -22,7 +21,22 @@ from .modeling import check_supported
 from .ops.kvmath import rotate_half, shift_keys
 from .results.request import SegmentRecord
 
-_UIDS = itertools.count()
+
+class _Uids:
+    """Process-wide identities of materializations; a resumed run continues after the saved ones."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def __call__(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+    def advance(self, to: int) -> None:
+        self.next = max(self.next, int(to))
+
+
+UIDS = _Uids()
 
 
 @dataclass
@@ -52,6 +66,13 @@ class Request:
     agent: str
     segments: list[Segment]
     max_new_tokens: int = 32
+    #: the workflow node issuing the request (role + position); None outside a workflow
+    node: str | None = None
+
+    @property
+    def consumer(self) -> str:
+        """Who consumes the request's shared segments: its workflow node, else its agent."""
+        return self.node or self.agent
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -71,7 +92,9 @@ class SegmentKV:
     status: str = "exact"
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     #: identity of the materialization this cache (or its re-aligned view) comes from
-    uid: int = field(default_factory=lambda: next(_UIDS))
+    uid: int = field(default_factory=UIDS)
+    #: the workflow node that materialized it
+    node: str | None = None
 
     @property
     def length(self) -> int:
@@ -94,6 +117,7 @@ class SegmentKV:
             status=self.status,
             hidden=self.hidden,
             uid=self.uid,
+            node=self.node,
         )
 
 
@@ -181,6 +205,12 @@ class SegmentContext:
     @property
     def agent(self) -> str:
         return self.request.agent
+
+    @property
+    def consumer(self) -> str:
+        """The workflow node consuming this segment: what anchors and calibration are keyed by
+        (two nodes with the same role, e.g. in later rounds, are different consumers)."""
+        return self.request.consumer
 
     @property
     def slot(self) -> str:
@@ -511,17 +541,19 @@ class Engine:
             cache.v[:, :, pos : pos + S] = 0
             st.excluded += self.now() - tf
         ctx = SegmentContext(self, cache, request, seg, pos, sources.get(seg.slot))
+        eligible = bool(method.eligible(ctx.source is not None))  # fixed before the method runs
+        t0 = self.now()
         kv = method.materialize(ctx)
+        took = self.now() - t0
         if kv.length != S or kv.start != pos:
             raise RuntimeError(f"method returned a segment of {kv.length} rows at {kv.start}, expected {S} at {pos}")
-        kv.slot, kv.agent = seg.slot, request.agent
+        kv.slot, kv.agent, kv.node = seg.slot, request.agent, request.node
         cache.write(kv)
         st.materialized[seg.slot] = kv
         st.deferred.extend(ctx.deferred)
         st.prefilled += ctx.prefilled
         st.reference += ctx.reference_tokens
         st.recomputed += ctx.recomputed_token_layers
-        eligible = ctx.source is not None or kv.status != "exact"
         reused = S - ctx.prefilled if kv.status != "exact" else 0
         st.eligible += S if eligible else 0
         st.reused += reused
@@ -531,9 +563,13 @@ class Engine:
             tokens=S,
             status=kv.status,
             source_agent=ctx.source.agent if ctx.source is not None else None,
+            source_node=ctx.source.node if ctx.source is not None else None,
             eligible=eligible,
             reused_tokens=reused,
+            prefilled_tokens=ctx.prefilled,
+            reference_tokens=ctx.reference_tokens,
             recomputed_token_layers=ctx.recomputed_token_layers,
+            materialize_s=took,
             details=dict(ctx.details),
         )
         if exact is not None:

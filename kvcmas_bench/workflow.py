@@ -154,6 +154,8 @@ class AgentStep:
     text: str
     shared_store_bytes: int = 0
     method_state_bytes: int = 0
+    #: change of the method's counters over this request (accepted, fallbacks, anchors, ...)
+    method_stats: dict = field(default_factory=dict)
 
     @property
     def role(self) -> Role:
@@ -196,6 +198,8 @@ def execute(
     for idx, node in enumerate(nodes):
         sources = _sources(store, node)
         req = build(idx, node, sources, outputs)
+        req.node = node.id
+        before = method.counters()
         res = engine.run(req, method, sources=sources, fidelity=fidelity)
         for slot, kv in res.materialized.items():
             store.setdefault(slot, []).append((idx, kv))
@@ -203,6 +207,7 @@ def execute(
             res.output_kv.slot = out_slot(node)
             store.setdefault(out_slot(node), []).append((idx, res.output_kv))
         outputs[node.id] = list(res.output_ids)
+        after = method.counters()
         steps.append(
             AgentStep(
                 node,
@@ -211,6 +216,7 @@ def execute(
                 decode(res.output_ids),
                 shared_store_bytes=sum(kv.nbytes for h in store.values() for _, kv in h),
                 method_state_bytes=method.state_bytes(),
+                method_stats={k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)},
             )
         )
     return steps
@@ -317,9 +323,11 @@ def request_records(run: UnitRun, layers: int, **ids) -> list[RequestRecord]:
             segments=r.segments,
             output=step.text,
             first_token_id=r.first_token,
+            method_stats=dict(step.method_stats),
         )
         if r.fidelity is not None:
-            errs = [s.kv_rel_error for s in r.segments if s.kv_rel_error is not None and s.source_agent]
+            # every shared segment: the first agent's correction error of a non-chained method too
+            errs = [s.kv_rel_error for s in r.segments if s.kv_rel_error is not None]
             rec.top1_agree = r.fidelity["top1_agree"]
             rec.first_token_kl = r.fidelity["first_token_kl"]
             rec.kv_rel_error = (sum(errs) / len(errs)) if errs else None

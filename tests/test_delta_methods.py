@@ -131,8 +131,9 @@ def test_kvcmas_with_one_exact_anchor_reproduces_dense(engine):
     assert m.stats["anchors_inserted"] == 1 and len(m.pools["q"].anchors) == 1
 
 
-def test_kvcmas_low_rank_anchor_beats_fullshared_when_similar(engine):
-    """A rank-limited anchor from a different question still moves the cache towards dense."""
+def test_kvcmas_low_rank_anchor_beats_fullshared_on_the_same_question(engine):
+    """A rank-4 anchor learned on the same question (a new source materialization) moves the cache
+    towards dense; anchors from other questions: tests/test_metrics.py."""
     m = get_method("kvcmas", anchors=1, rank=4)
     ra, rb = _pair(q_seed=30)
     a = engine.run(ra, m)
@@ -170,20 +171,29 @@ def test_nonchained_methods_correct_the_first_agent_from_a_reference(engine, nam
         assert m.pools["q"].anchors[0].base_k.b is None  # full-dimensional storage
 
 
-def test_graphflow_calibrated_relation_reproduces_dense_and_counts_reference(engine):
+def test_graphflow_calibrates_every_relation_first_agent_included(engine):
     ra, rb = _pair()
+    S = len(ra.segments[1].ids)
     rec = Recorder(with_reference=True)
     a = engine.run(ra, rec)
     engine.run(rb, rec, sources={"q": a.materialized["q"]})
-    assert len(rec.observations) == 1
+    # the first agent's segment has no source but GraphFlow serves it from the reference: observed too
+    assert [(o.consumer, o.source is None) for o in rec.observations] == [("A", True), ("B", False)]
     gf = get_method("graphflow")
     gf.calibrate(rec.observations, engine.n_layers)
     res = engine.run(rb, gf, sources={"q": a.materialized["q"]}, fidelity=True)
-    assert res.reference_tokens == len(rb.segments[1].ids)
+    assert res.reference_tokens == S
     assert res.segments[1].status == "corrected" and res.segments[1].kv_rel_error < 1e-5
-    # an uncalibrated relation gets the plain reference (rho = 1, no matching)
-    plain = engine.run(ra, gf, fidelity=True)
-    assert plain.segments[1].status == "corrected" and plain.reference_tokens == 0
+    first = engine.run(ra, gf, fidelity=True)  # calibrated on this very segment: exact, and reused
+    assert first.segments[1].status == "corrected" and first.segments[1].kv_rel_error < 1e-5
+    assert first.eligible_tokens == S and first.reused_tokens == S and first.reference_tokens == 0
+    # a relation never calibrated is recorded as such (the plain reference), never as corrected
+    only_b = get_method("graphflow")
+    only_b.calibrate([o for o in rec.observations if o.consumer == "B"], engine.n_layers)
+    plain = engine.run(ra, only_b, fidelity=True)
+    assert plain.segments[1].status == "uncalibrated" and plain.reference_tokens == S
+    assert plain.segments[1].kv_rel_error > 1e-3  # the reference is not agent A's cache
+    assert only_b.counters() == {"uncalibrated": 1}
 
 
 def test_tau_for_reuse_hits_the_target():

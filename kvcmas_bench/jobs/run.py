@@ -6,12 +6,13 @@ import random
 from dataclasses import dataclass, field
 
 from ..calibration import auto_tau, collect
-from ..engine import Engine
+from ..engine import UIDS, Engine
 from ..errors import BenchError
 from ..methods import MethodSpec, resolve_method
 from ..results.provenance import provenance
 from ..results.records import RunDir, write_json
 from ..results.request import RequestRecord
+from ..results.state import MethodStateStore
 from ..results.summary import summarize
 from ..workflow import TOPOLOGIES, Workflow, request_records
 from ..workloads import Workload, get_workload
@@ -181,12 +182,18 @@ def run(opts: RunOptions, progress=None) -> dict:
     p = prepare(opts)
     flow = p.flow(p.method, opts, opts.fidelity)
     out = RunDir(opts.output_path, run_config(opts, p, flow))
+    store = MethodStateStore(out.path)
+    if out.samples and p.method.persistent_state():  # methods that learn while running
+        UIDS.advance(store.load(len(out.samples), p.method, p.engine.device))
     todo = [s for s in p.samples if s.id not in out.done_ids]
     if progress is not None:
         progress.start(total=len(p.samples), done=len(p.samples) - len(todo))
     for sample in todo:
         sample_rec, req_recs = run_one(flow, sample, p.engine, p.method)
-        out.append(sample_rec, req_recs)
+        n = len(out.samples) + 1
+        store.save(n, p.method, UIDS.next)
+        out.append(sample_rec, req_recs)  # the commit point
+        store.commit(n)
         if progress is not None:
             progress.advance(sample_rec)
     wanted = {s.id for s in p.samples}

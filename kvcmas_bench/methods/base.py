@@ -54,6 +54,12 @@ class Method:
     calibration_reference: ClassVar[bool] = False
     #: learns across requests (anchor pools): warmed up on held-out units before measurement
     learns_online: ClassVar[bool] = False
+    #: where reused caches come from: "source" (the preceding agent's cache of the segment, so only
+    #: segments with a source are reuse-eligible) or "reference" (a context-free prefill of the
+    #: segment: every shared segment is eligible, the first agent's included)
+    reuse_from: ClassVar[str] = "source"
+    #: state fields that calibration rebuilds before every run (not persisted for resume)
+    calibrated_state: ClassVar[tuple[str, ...]] = ()
     #: residual-stream layers the engine keeps for agent outputs during decode (as sources)
     decode_hidden_layers: ClassVar[tuple[int, ...]] = ()
 
@@ -77,12 +83,39 @@ class Method:
         """Return the cache of ``ctx.segment`` at ``ctx.start``. Default: dense prefill."""
         return ctx.dense()
 
+    def eligible(self, has_source: bool) -> bool:
+        """Whether a shared segment counts in the reuse ratio's denominator: a property of the
+        method family and the segment, fixed before the method runs (never of its outcome)."""
+        return has_source or self.reuse_from == "reference"
+
+    def counters(self) -> dict[str, int]:
+        """Running totals of the method's accounting (accepted corrections, fallbacks, anchors
+        inserted/evicted, ...); the executor records their change over each request."""
+        return {}
+
     def calibrate(self, observations: list, n_layers: int) -> None:
         """Build offline state from :class:`~kvcmas_bench.calibration.Observation` records."""
 
     def state_bytes(self) -> int:
         """Exact bytes of tensors the method keeps between requests."""
         return 0
+
+    def persistent_state(self) -> dict:
+        """What the method learned while running (``state()`` fields not set at construction and not
+        rebuilt by calibration): saved with every committed sample so a resumed run continues
+        exactly as an uninterrupted one."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata.get("state") and not f.init and f.name not in self.calibrated_state
+        }
+
+    def load_persistent_state(self, state: dict) -> None:
+        names = {f.name for f in dataclasses.fields(self) if f.metadata.get("state")}
+        for key, value in state.items():
+            if key not in names:
+                raise ValueError(f"{self.name} has no state field {key!r}")
+            setattr(self, key, value)
 
     def config(self) -> dict:
         """Name and every init field (knobs and settable state), as recorded in ``config.json``."""

@@ -122,47 +122,72 @@ class OnlineDeltaCorrection(Method):
         ref_k = to_rows(canonical_keys(ref.k, ref.start, inv))
         ref_v = to_rows(ref.v)
         pool = self.pools.setdefault(ctx.slot, AnchorPool(self.anchors))
-        decision = self.gate(pool, ctx.agent, ref_v, ctx.length)
+        decision = self.gate(pool, ctx.consumer, ref_v, ctx.length, ctx.details)
         if decision is not None:
             kv = self.correct(ctx, decision, ref_k, ref_v)
             if kv is not None:
                 self._count("accepted")
                 return kv
             self._count("nonfinite_fallback")
+            ctx.details["fallback"] = "nonfinite"
+        else:
+            ctx.details["fallback"] = "dense"
         self._count("dense_fallback")
         exact = ctx.dense()
         source_key = (ref.uid,)
-        ctx.defer(lambda: self.insert(pool, source_key, ref_k, ref_v, ctx.agent, exact, inv))
+        ctx.defer(lambda: self.insert(pool, source_key, ref_k, ref_v, ctx.consumer, exact, inv))
         return exact
 
+    @property
+    def reuse_from(self) -> str:  # type: ignore[override]
+        """Chained: the source (segments with one are eligible); non-chained: the context-free
+        reference (every shared segment is eligible, the first agent's included)."""
+        return "source" if self.chained else "reference"
+
+    def counters(self) -> dict[str, int]:
+        evicted = sum(p.evicted for p in self.pools.values())
+        return {**self.stats, "anchors_evicted": evicted} if evicted else dict(self.stats)
+
     # ---- Eq. 9-11 ------------------------------------------------------------------------------
-    def gate(self, pool: AnchorPool, consumer: str, ref_v: torch.Tensor, S: int) -> GateDecision | None:
+    def gate(
+        self, pool: AnchorPool, consumer: str, ref_v: torch.Tensor, S: int, details: dict | None = None
+    ) -> GateDecision | None:
         """Pick compatible anchors and decide reliability by normalized gate entropy.
 
         The comparison prefix k is the segment length when two anchors cover it, otherwise the
         longest prefix two anchors cover. With a pool of one the gate is bypassed (paper C.3).
+        ``details`` receives the decision's accounting: outcome, compatible anchors, comparison
+        prefix, entropy and the anchors whose activation counts it raised.
         """
+        details = {} if details is None else details
         lengths = pool.lengths(consumer)
+        details["anchors_available"] = len(lengths)
         if self.anchors == 1:
             if not lengths:
+                details["gate"] = "no_anchor"
                 return None
             k = min(S, lengths[0])
             cands = pool.compatible(consumer, k)
+            details.update(gate="bypassed", compare_tokens=k, anchors_used=len(cands))
             return GateDecision(cands, k, torch.ones(len(cands)), None)
         if len(lengths) < 2:
+            details["gate"] = "too_few_anchors"
             return None
         k = min(S, lengths[1])
         cands = pool.compatible(consumer, k)
         dist_v = self.token_sqdist(ref_v[:, :k], [a.base_v for a in cands])
         h, g = gate_entropy(dist_v.sum(1).sqrt(), self.temperature)
         self.entropies.append((h, S))
+        details.update(compare_tokens=k, entropy=h, anchors_compared=len(cands))
         if h > self.tau:
+            details["gate"] = "rejected"
             return None
         order = torch.argsort(g, descending=True)
         cum = torch.cumsum(g[order], 0)
         n_top = int((cum < self.activation_top_p).sum()) + 1
         for i in order[:n_top].tolist():
             cands[i].count += 1
+        details.update(gate="accepted", anchors_used=n_top)
         return GateDecision(cands, k, g, h, dist_v)
 
     @staticmethod
@@ -195,7 +220,7 @@ class OnlineDeltaCorrection(Method):
         out_k, out_v = ref_k.clone(), ref_v.clone()
         for part, ref_rows, out in (("k", ref_k, out_k), ("v", ref_v, out_v)):
             bases = [a.base_k if part == "k" else a.base_v for a in dec.anchors]
-            deltas = [a.deltas[ctx.agent][0 if part == "k" else 1] for a in dec.anchors]
+            deltas = [a.deltas[ctx.consumer][0 if part == "k" else 1] for a in dec.anchors]
             sq = dec.sqdist_v if part == "v" else None
             w = token_weights(self.token_distance(ref_rows[:, :k], bases, sq), self.temperature)
             if all(d.b is not None for d in deltas):

@@ -29,9 +29,10 @@ def source_hidden(ctx: SegmentContext, layers) -> dict[int, torch.Tensor]:
 
 def calibration_profile(observations: list, n_layers: int) -> torch.Tensor:
     """Mean per-layer relative deviation (K + V) of aligned source vs exact over the observations."""
-    if not observations:
+    sourced = [o for o in observations if o.source is not None]
+    if not sourced:
         raise BenchError("calibration produced no observations (no shared segment with a source)")
-    return profile_layer_deviation(((o.source, o.exact) for o in observations), n_layers)
+    return profile_layer_deviation(((o.source, o.exact) for o in sourced), n_layers)
 
 
 @register

@@ -11,8 +11,10 @@ is prefilled once (its time counts in the TTFT of the request waiting for it) an
 
     C_hat_j = align(C_ref) + Delta_j   on the calibrated rows, the plain reference beyond,
 
-always applied (rho = 1 for eligible segments). Relations never seen in calibration reuse the
-reference unchanged.
+always applied (rho = 1: every shared segment is eligible, the first agent's included). A relation
+is (slot, consuming workflow node); calibration covers every relation it serves, the first agent's
+included (its segment has no source, only the reference). A relation never seen in calibration
+reuses the reference unchanged and is recorded as ``uncalibrated``, never as ``corrected``.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ from .base import Method, register, state
 @dataclass
 class GraphFlow(Method):
     name = "graphflow"
-    summary = "calibrated per-(slot, agent) mean corrections on a context-free reference"
+    summary = "calibrated per-(slot, consumer) mean corrections on a context-free reference"
     needs_calibration = True
     calibration_reference = True
+    reuse_from = "reference"
+    calibrated_state = ("corrections",)
     corrections: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = state(default_factory=dict)
     references: dict[tuple, SegmentKV] = state(default_factory=dict)
+    stats: dict[str, int] = state(default_factory=dict)
 
     def config(self) -> dict:
         return {"name": self.name, "relations": sorted(f"{s}->{a}" for s, a in self.corrections)}
@@ -43,17 +48,19 @@ class GraphFlow(Method):
     def calibrate(self, observations: list, n_layers: int) -> None:
         sums: dict[tuple[str, str], list[torch.Tensor]] = {}
         for ob in observations:
+            if ob.reference is None:
+                raise ValueError("GraphFlow calibration needs the context-free reference of every observation")
             dk = canonical_keys(ob.exact.k, ob.exact.start, ob.inv_freq).float() - ob.reference.k.float()
             dv = ob.exact.v.float() - ob.reference.v.float()
             S = dk.shape[2]
-            acc = sums.get((ob.slot, ob.agent))
+            acc = sums.get((ob.slot, ob.consumer))
             if acc is None or acc[0].shape[2] < S:
                 acc = [
                     _grow(acc[0] if acc else None, dk, S),
                     _grow(acc[1] if acc else None, dv, S),
                     _grow(acc[2] if acc else None, torch.zeros(S), S),
                 ]
-                sums[(ob.slot, ob.agent)] = acc
+                sums[(ob.slot, ob.consumer)] = acc
             acc[0][:, :, :S] += dk
             acc[1][:, :, :S] += dv
             acc[2][:S] += 1
@@ -69,18 +76,28 @@ class GraphFlow(Method):
             self.references = {k: v for k, v in self.references.items() if k[0] != ctx.slot}
             self.references[key] = ref
         k, v = ref.k.clone(), ref.v.clone()
-        corr = self.corrections.get((ctx.slot, ctx.agent))
+        corr = self.corrections.get((ctx.slot, ctx.consumer))
+        status = "uncalibrated"
         if corr is not None:
             n = min(ctx.length, corr[0].shape[2])
             k[:, :, :n] += corr[0][:, :, :n].to(k.dtype)
             v[:, :, :n] += corr[1][:, :, :n].to(v.dtype)
+            status = "corrected"
+            ctx.details["calibrated_tokens"] = n
+        self._count(status)
         return SegmentKV(
             k=shift_keys(k, ctx.start, ctx.engine.inv_freq),
             v=v,
             start=ctx.start,
             ids=tuple(ctx.segment.ids),
-            status="corrected",
+            status=status,
         )
+
+    def _count(self, key: str) -> None:
+        self.stats[key] = self.stats.get(key, 0) + 1
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.stats)
 
     def state_bytes(self) -> int:
         n = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.corrections.values())

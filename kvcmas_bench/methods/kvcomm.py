@@ -2,15 +2,19 @@
 
 Each anchor stores the context-free reference cache of its segment (positions at 0) and, per
 consuming agent, Delta_j = C_j - C_ref (full K and V, every layer). The gate accepts when the
-entropy of softmax(-||V_ref - V_anchor||) is <= gamma * log2(N) (normalized entropy <= gamma,
-gamma = 0.3); token-wise weights softmax(-mean|ref - anchor|); layer 0 is recomputed exactly (it
-depends only on tokens and positions). V = 20 anchors, LFU eviction among the 5 oldest. Memory
-O(V N L D) per slot. The first agent is corrected too (non-chained).
+entropy of softmax(-||V_ref - V_anchor||) is <= gamma * log2(N) (normalized entropy <= gamma);
+token-wise weights softmax(-mean|ref - anchor|); layer 0 is recomputed exactly (it depends only on
+tokens and positions). V = 20 anchors, LFU eviction among the 5 oldest. Memory O(V N L D) per slot.
+The first agent is corrected too (non-chained).
+
+KVComm's own defaults stay KVComm's: gamma (``--tau``) is 0.3 on every workload unless the user sets
+it (the per-workload taus are KVCMAS's), and the anchors are always full-dimensional: ``--rank`` is
+not an option here (the low-rank non-chained variant is ``kvcmas-nonchained``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .base import register
 from .delta import OnlineDeltaCorrection
@@ -23,6 +27,10 @@ class KVComm(OnlineDeltaCorrection):
     summary = "full-dimensional online anchors relative to a context-free reference"
     anchors: int = 20
     tau: float = 0.3
-    rank: int | None = None
+    rank: int | None = field(default=None, init=False)
     chained: bool = False
     exact_layer0: bool = True
+
+    @classmethod
+    def workload_defaults(cls, workload) -> dict:
+        return {}

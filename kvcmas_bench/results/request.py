@@ -30,9 +30,14 @@ class SegmentRecord:
     name: str | None = None
     slot: str | None = None
     source_agent: str | None = None
+    source_node: str | None = None
     eligible: bool = False
     reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    reference_tokens: int = 0
     recomputed_token_layers: int = 0
+    #: wall time of the method's decision and materialization (inside TTFT; CUDA-synchronized)
+    materialize_s: float | None = None
     kv_rel_error: float | None = None
     k_rel_error: float | None = None
     v_rel_error: float | None = None
