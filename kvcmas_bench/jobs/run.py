@@ -9,8 +9,9 @@ from ..calibration import auto_tau, collect
 from ..engine import Engine
 from ..errors import BenchError
 from ..methods import MethodSpec, resolve_method
+from ..results.outdir import lock_output_dir
 from ..results.provenance import provenance
-from ..results.records import RunDir, write_json
+from ..results.records import RunDir, check_run_dir, write_json
 from ..results.request import RequestRecord
 from ..results.summary import summarize
 from ..workflow import TOPOLOGIES, Workflow, request_records
@@ -110,17 +111,26 @@ class Prepared:
         return Workflow(self.engine, method, self.workload, opts.max_new_tokens, opts.final_max_new_tokens, **kw)
 
 
-def prepare(opts: RunOptions) -> Prepared:
-    """Check every option, load data and model, calibrate: all the work before the first sample."""
-    from ..modeling import load_model, resolve_device, resolve_dtype
+def resolve_options(opts: RunOptions) -> tuple[Workload, MethodSpec]:
+    """Check every option without loading data or model (bad input never touches the output path)."""
+    from ..modeling import resolve_device, resolve_dtype
 
     opts.validate()
     workload = get_workload(opts.workload, data_path=opts.data_path, subjects=opts.subjects)
     spec = resolve_method(opts.method, opts.method_args, workload)
     if opts.target_reuse is not None and "tau" not in spec.cls.knobs():
         raise BenchError(f"--target-reuse applies to methods with a gate threshold, not {opts.method!r}")
-    device = resolve_device(opts.device)
+    resolve_device(opts.device)
     resolve_dtype(opts.dtype)
+    return workload, spec
+
+
+def prepare(opts: RunOptions) -> Prepared:
+    """Check every option, load data and model, calibrate: all the work before the first sample."""
+    from ..modeling import load_model, resolve_device
+
+    workload, spec = resolve_options(opts)
+    device = resolve_device(opts.device)
     all_samples = workload.load()
     samples = select_samples(all_samples, opts.limit, opts.seed)
     if not samples:
@@ -178,6 +188,13 @@ def run_config(opts: RunOptions, p: Prepared, flow: Workflow) -> dict:
 
 def run(opts: RunOptions, progress=None) -> dict:
     """Run (or resume) one benchmark and return its summary."""
+    resolve_options(opts)
+    with lock_output_dir(opts.output_path) as path:  # a busy or unwritable output path fails before any work,
+        check_run_dir(path)  # and so does a damaged run directory
+        return _run(opts, progress)
+
+
+def _run(opts: RunOptions, progress=None) -> dict:
     p = prepare(opts)
     flow = p.flow(p.method, opts, opts.fidelity)
     out = RunDir(opts.output_path, run_config(opts, p, flow))

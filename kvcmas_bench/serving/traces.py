@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ..engine import Request, Segment
 from ..errors import BenchError
+from ..results.outdir import atomic_write
 from ..workloads.base import Role
 
 FORMAT = "kvcmas-serve-trace/1"
@@ -150,14 +151,15 @@ class Trace:
         return cls(**d)
 
 
+def dump_traces(traces: Sequence[Trace]) -> str:
+    """The JSONL text of ``traces`` (what :func:`save_traces` writes)."""
+    return "".join(json.dumps(t.to_dict()) + "\n" for t in traces)
+
+
 def save_traces(traces: Sequence[Trace], path: str | Path) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for t in traces:
-            f.write(json.dumps(t.to_dict()) + "\n")
-    tmp.replace(p)
+    atomic_write(p, dump_traces(traces))
 
 
 def load_traces(path: str | Path) -> list[Trace]:
