@@ -1,5 +1,6 @@
 """Nothing lost, nothing faked (issue 11): damaged run directories stop the run and stay untouched,
-one writer per output directory, method options and output paths checked before the model loads."""
+one writer per output directory, method options and output paths checked before the model loads,
+one-line errors for bad data / trace files, the Ctrl-C message, the --agents bound."""
 
 from __future__ import annotations
 
@@ -289,7 +290,35 @@ def test_serve_sweep_refuses_bad_method_options_before_the_model_loads(
     assert not out.exists()
 
 
-# ---- defect 5: unwritable output paths ---------------------------------------
+# ---- defect 5: bad data / trace files, unwritable output paths ---------------------------------------
+BAD_LINES = {
+    "binary": b'{"question": "q"}\n\xff\xfe\x00\x81garbage\n',
+    "array": b"[1, 2, 3]\n",
+    "string": b'"just a string"\n',
+    "number": b"42\n",
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_LINES))
+def test_bad_mmlu_data_file_is_one_line(tmp_path, kind, no_model, capsys):
+    data = tmp_path / "mmlu.jsonl"
+    data.write_bytes(BAD_LINES[kind])
+    out = tmp_path / "run"
+    assert run_cli(["run", "--data-path", str(data), "--limit", "1", "-o", str(out)]) == 2
+    one_error_line(capsys, "cannot read MMLU data")
+    assert not out.exists()  # nothing left behind by a run that never started
+
+
+@pytest.mark.parametrize("kind", list(BAD_LINES))
+def test_bad_trace_file_is_one_line(tmp_path, kind, no_model, capsys):
+    traces = tmp_path / "traces.jsonl"
+    traces.write_bytes(BAD_LINES[kind])
+    out = tmp_path / "sweep"
+    assert run_cli(["serve-sweep", "--traces", str(traces), "--method", "nonshared", "-o", str(out)]) == 2
+    one_error_line(capsys, "is not a valid serving trace")
+    assert not out.exists()
+
+
 def _unwritable(tmp_path: Path, kind: str) -> Path:
     if kind == "below-a-file":
         (tmp_path / "file").write_text("x")
@@ -318,6 +347,41 @@ def test_coverage_refuses_an_existing_file_as_output_path(tmp_path, no_model, ca
     assert run_cli(["coverage", "-o", str(out)]) == 2
     one_error_line(capsys, "exists and is not a directory")
     assert out.read_text() == "keep me"
+
+
+# ---- defect 6: minor ---------------------------------------------------------------------------------
+def test_coverage_max_new_tokens_zero_is_refused(tmp_path, no_model, capsys):
+    assert run_cli(["coverage", "--max-new-tokens", "0", "-o", str(tmp_path / "c")]) == 2
+    one_error_line(capsys, "--max-new-tokens")
+
+
+def test_agents_above_the_fixed_bound_are_refused(tmp_path, no_model, capsys):
+    assert run_cli(["run", "--agents", "65", "--limit", "1", "-o", str(tmp_path / "a")]) == 2
+    one_error_line(capsys, "--agents must lie in [2, 64]")
+
+
+def test_agents_beyond_the_models_context_are_refused(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from kvcmas_bench.jobs import run as runner
+
+    def boom(*a, **kw):
+        raise AssertionError("a sample ran")
+
+    monkeypatch.setattr(runner, "run_one", boom)
+    # within the fixed bound, but the outputs one chain prompt accumulates exceed the tiny model's 4096 positions
+    args = tiny_run(tiny_model_dir, tmp_path / "b", "--limit", "1", "--agents", "40", "--max-new-tokens", "200")
+    assert run_cli(args) == 2
+    one_error_line(capsys, "model's context of 4096")
+
+
+def test_interrupt_prints_how_to_resume(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from kvcmas_bench.jobs import run as runner
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_one", interrupted)
+    assert run_cli(tiny_run(tiny_model_dir, tmp_path / "run", "--limit", "1")) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
 
 
 def test_serve_sweep_service_file_keeps_the_same_rules(tmp_path):

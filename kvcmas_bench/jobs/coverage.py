@@ -51,6 +51,8 @@ def coverage_report(
 
     if limit < 1:
         raise BenchError(f"--limit must be a positive integer, got {limit}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise BenchError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
     for r in rhos:
         if not 0.0 <= r <= 1.0:
             raise BenchError(f"--rho must lie in [0, 1], got {r}")

@@ -14,8 +14,11 @@ from ..results.provenance import provenance
 from ..results.records import RunDir, check_run_dir, write_json
 from ..results.request import RequestRecord
 from ..results.summary import summarize
-from ..workflow import TOPOLOGIES, Workflow, request_records
+from ..workflow import TOPOLOGIES, Workflow, plan, request_records
 from ..workloads import Workload, get_workload
+
+#: most agents of one workflow (``--agents``); the model's context bounds it further (:func:`check_context`)
+MAX_AGENTS = 64
 
 
 @dataclass
@@ -50,8 +53,10 @@ class RunOptions:
             raise BenchError(f"--calib-samples must be a positive integer, got {self.calib_samples}")
         if self.topology not in TOPOLOGIES:
             raise BenchError(f"unknown --topology {self.topology!r}; use one of {', '.join(TOPOLOGIES)}")
-        if self.agents is not None and self.agents < 2:
-            raise BenchError(f"--agents must be at least 2 (task agents + the final agent), got {self.agents}")
+        if self.agents is not None and not 2 <= self.agents <= MAX_AGENTS:
+            raise BenchError(
+                f"--agents must lie in [2, {MAX_AGENTS}] (task agents + the final agent), got {self.agents}"
+            )
         if self.rounds < 1:
             raise BenchError(f"--rounds must be a positive integer, got {self.rounds}")
         if self.limit is not None and self.limit < 1:
@@ -125,6 +130,26 @@ def resolve_options(opts: RunOptions) -> tuple[Workload, MethodSpec]:
     return workload, spec
 
 
+def check_context(opts: RunOptions, workload: Workload, model) -> None:
+    """The agent outputs one prompt of the workflow accumulates, plus the agent's own output, must fit
+    the model's context (``max_position_embeddings``); the prompt text comes on top of that."""
+    config = getattr(model, "config", None)
+    limit = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return
+    n_agents = opts.agents or len(workload.roles) + 1
+    max_new = opts.max_new_tokens or workload.max_new_tokens
+    final_new = opts.final_max_new_tokens or workload.final_max_new_tokens
+    nodes = plan(opts.topology, workload.roles, workload.final_role, n_agents, opts.rounds)
+    need = max(len(n.reads) * max_new + (final_new if n.final else max_new) for n in nodes)
+    if need > limit:
+        raise BenchError(
+            f"--agents {n_agents} --rounds {opts.rounds} ({opts.topology}): one prompt accumulates agent outputs "
+            f"and an answer of up to {need} tokens > the model's context of {limit}; lower --agents, --rounds "
+            "or --max-new-tokens"
+        )
+
+
 def prepare(opts: RunOptions) -> Prepared:
     """Check every option, load data and model, calibrate: all the work before the first sample."""
     from ..modeling import load_model, resolve_device
@@ -146,6 +171,7 @@ def prepare(opts: RunOptions) -> Prepared:
         lm = load_vlm(opts.model, opts.dtype, str(device))
     else:
         lm = load_model(opts.model, opts.dtype, str(device))
+    check_context(opts, workload, lm.model)
     p = Prepared(workload, spec, samples, calib, lm, Engine(lm.model, lm.tokenizer))
     p.method = spec()
     if p.method.needs_calibration:

@@ -145,7 +145,7 @@ class Trace:
     @classmethod
     def from_dict(cls, d: dict) -> Trace:
         if d.get("format") != FORMAT:
-            raise BenchError(f"not a serving trace (format {d.get('format')!r}, expected {FORMAT!r})")
+            raise ValueError(f"format {d.get('format')!r}, expected {FORMAT!r}")
         d = {k: v for k, v in d.items() if k != "format"}
         d["agents"] = [AgentSpec(**a) for a in d["agents"]]
         return cls(**d)
@@ -168,12 +168,20 @@ def load_traces(path: str | Path) -> list[Trace]:
         raise BenchError(f"trace file not found: {p}")
     out = []
     try:
-        with open(p, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):  # noqa: B007 - n names the bad line below
-                if line.strip():
-                    out.append(Trace.from_dict(json.loads(line)))
-    except (json.JSONDecodeError, TypeError, KeyError) as exc:
-        raise BenchError(f"{p}: line {n} is not a valid serving trace ({exc})") from None
+        with open(p, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                    if not line.strip():
+                        continue
+                    d = json.loads(line)
+                    if not isinstance(d, dict):
+                        raise TypeError(f"a JSON {type(d).__name__}, not an object")
+                    out.append(Trace.from_dict(d))
+                except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+                    raise BenchError(f"{p}: line {n} is not a valid serving trace ({str(exc)[:200]})") from None
+    except OSError as exc:
+        raise BenchError(f"cannot read trace file {p}: {exc.strerror or exc}") from None
     if not out:
         raise BenchError(f"trace file {p} holds no trajectories")
     return out

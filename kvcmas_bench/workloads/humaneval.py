@@ -11,13 +11,11 @@ code, so a completion cannot fake its verdict; neither runs in the harness.
 from __future__ import annotations
 
 import ast
-import gzip
-import json
 import re
 import textwrap
 
 from ..errors import BenchError
-from .base import Role, Sample, Workload, load_hub, package_file, register
+from .base import Role, Sample, Workload, load_hub, package_file, read_jsonl, register
 from .sandbox import run_check
 
 ROLES = (
@@ -172,12 +170,7 @@ class HumanEval(Workload):
 
     @staticmethod
     def _load_jsonl(path) -> list[dict]:
-        opener = gzip.open if str(path).endswith(".gz") else open
-        try:
-            with opener(path, "rt", encoding="utf-8") as f:
-                return [json.loads(line) for line in f if line.strip()]
-        except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BenchError(f"cannot read HumanEval data from {path}: {exc}") from None
+        return read_jsonl(path, "HumanEval data")
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         """(sandbox result: "passed", "timed out" or "failed: ...", passed); None for an empty reply."""
