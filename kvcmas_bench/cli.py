@@ -6,6 +6,7 @@ exit code 2; Ctrl-C keeps everything finished so far and the same command resume
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import typer
@@ -29,6 +30,27 @@ app = typer.Typer(
 )
 err = Console(stderr=True)
 out = Console()
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a job, carried past the CLI framework (which turns KeyboardInterrupt into exit
+    130 before :func:`main` could tell the user how to resume)."""
+
+
+def on_interrupt(message: str):
+    """Decorate a job command: Ctrl-C ends it with exit 130 and ``message`` (what was kept, how to go on)."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except KeyboardInterrupt:
+                raise Interrupted(f"interrupted: {message}") from None
+
+        return inner
+
+    return wrap
 
 
 class _Progress:
@@ -83,6 +105,7 @@ def _split(v: str | None) -> list[str] | None:
 
 
 @app.command()
+@on_interrupt("finished samples are saved; run the same command again to resume")
 def run(
     method: str = typer.Option("nonshared", help="Sharing method (see `kvcmas-bench methods`)."),
     workload: str = typer.Option("mmlu", help="Workload (see `kvcmas-bench workloads`)."),
@@ -124,7 +147,11 @@ def run(
         help="Pick tau on calibration samples to reach this reuse ratio (KVCMAS/KVComm); the chosen tau is recorded.",
     ),
     topology: str = typer.Option("chain", help="Agent graph: chain, fan-out, fan-in or loop."),
-    agents: int | None = typer.Option(None, help="Number of agents incl. the final one (default: workload's 4)."),
+    agents: int | None = typer.Option(
+        None,
+        help="Number of agents incl. the final one (default: the workload's 4): 2 to 64, and the agent outputs "
+        "one prompt accumulates (chain: all earlier ones) x --max-new-tokens must fit the model's context.",
+    ),
     rounds: int = typer.Option(1, help="Interaction rounds (repetitions of the task-agent layer)."),
     calib_samples: int = typer.Option(
         4, help="Held-out samples for calibration (GraphFlow, DroidSpeak, RelayCaching, --target-reuse)."
@@ -181,6 +208,7 @@ def _ints(flag: str, v: str) -> list[int]:
 
 
 @app.command("serve-sweep")
+@on_interrupt("measured (method, shared length) groups are saved; run the same command again to resume")
 def serve_sweep_cmd(
     method: str = typer.Option("all", "--method", "--methods", help="'all' or NAME[,NAME...]."),
     qps: str = typer.Option(
@@ -240,6 +268,7 @@ def serve_sweep_cmd(
 
 
 @app.command("coverage")
+@on_interrupt("coverage is computed in one go and nothing was written; run the command again")
 def coverage_cmd(
     workload: str = typer.Option("mmlu", help="Workload whose agent workflow provides the shared segments."),
     limit: int = typer.Option(4, help="Samples to analyse."),
@@ -369,8 +398,12 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(exc))
     except click_exc.ClickException as exc:
         _fail(" ".join(exc.format_message().split()))
+    except Interrupted as exc:
+        sys.stderr.write(f"\n{exc}\n")
+        sys.stderr.flush()
+        sys.exit(130)
     except (KeyboardInterrupt, getattr(click_exc, "Abort", KeyboardInterrupt)):
-        sys.stderr.write("\ninterrupted: finished samples are saved; run the same command again to resume\n")
+        sys.stderr.write("\ninterrupted\n")
         sys.exit(130)
     sys.exit(rc if isinstance(rc, int) else 0)
 

@@ -56,7 +56,7 @@ def test_run_writes_all_outputs(tiny_model_dir, tmp_path):
     assert reqs[0]["reused_tokens"] == 0 and reqs[1]["reused_tokens"] > 0
 
 
-def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, tmp_path, monkeypatch):
+def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     args = [
         "run",
@@ -84,6 +84,7 @@ def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, tmp_path, mo
 
     monkeypatch.setattr(runner, "run_one", flaky)
     assert _run(args) == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
     assert len(_lines(out / "samples.jsonl")) == 2
     # a run killed mid-write leaves orphan request lines and a torn sample line
     with open(out / "requests.jsonl", "a") as f:

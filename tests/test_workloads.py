@@ -18,7 +18,7 @@ from kvcmas_bench.workloads import get_workload
 from kvcmas_bench.workloads.base import package_file
 from kvcmas_bench.workloads.gsm8k import GSM8K, extract_number, gold_answer, normalize_number
 from kvcmas_bench.workloads.humaneval import HumanEval, entry_point_of, extract_code
-from kvcmas_bench.workloads.sandbox import STARTUP_S, kernel_filter_supported, run_program
+from kvcmas_bench.workloads.sandbox import STARTUP_S, kernel_filter_supported, run_check
 
 SUM_PROMPT = (
     "from typing import List\n\n\ndef total(xs: List[int]) -> int:\n"
@@ -27,8 +27,16 @@ SUM_PROMPT = (
 SUM_TEST = "def check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n"
 
 
-def he_program(code: str) -> str:
-    return f"{code}\n{SUM_TEST}\ncheck(total)\n"
+def run_program(code: str, **kw) -> tuple[bool, str]:
+    """``code`` as the completion of the ``total`` problem (SUM_TEST), checked in the sandbox."""
+    return run_check(code, SUM_TEST, "total", **kw)
+
+
+def in_total(attack: str) -> str:
+    """``attack`` run inside the entry function, which then answers correctly: a pass means the
+    attack went through."""
+    body = "".join(f"    {line}\n" for line in attack.splitlines())
+    return f"def total(xs):\n{body}    return sum(xs)\n"
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +213,7 @@ def test_humaneval_local_file_and_errors(tmp_path):
 def test_extract_code_finds_the_function(reply):
     code = extract_code(reply, SUM_PROMPT)
     assert code.startswith("from typing import List\n") and "print(" not in code and "assert" not in code
-    assert run_program(he_program(code)) == (True, "passed")
+    assert run_program(code) == (True, "passed")
 
 
 @pytest.mark.parametrize(
@@ -226,7 +234,7 @@ def test_extract_code_on_malformed_replies_leaves_only_the_stub(reply):
     code = extract_code(reply, SUM_PROMPT)
     compile(code, "code", "exec")
     assert code == SUM_PROMPT or "def other" in code  # the prompt, whose function is a docstring-only stub
-    assert run_program(he_program(code))[0] is False
+    assert run_program(code)[0] is False
 
 
 def test_humaneval_score_runs_the_tests(humaneval_samples, canonical):
@@ -261,8 +269,8 @@ def children() -> set[int]:
 
 
 def test_sandbox_correct_and_wrong_solutions():
-    assert run_program(he_program("def total(xs):\n    return sum(xs)\n")) == (True, "passed")
-    ok, result = run_program(he_program("def total(xs):\n    return 0\n"))
+    assert run_program("def total(xs):\n    return sum(xs)\n") == (True, "passed")
+    ok, result = run_program("def total(xs):\n    return 0\n")
     assert not ok and result.startswith("failed: AssertionError")
     assert run_program("def f(:\n")[1].startswith("failed: SyntaxError")
 
@@ -294,7 +302,7 @@ def test_sandbox_shell_and_filesystem_attacks_do_not_reach_the_harness(tmp_path)
         f"import subprocess\nsubprocess.run(['touch', {str(touched)!r}])\n",
     ]
     for program in attacks:
-        ok, result = run_program(program)
+        ok, result = run_program(in_total(program))
         assert not ok, (program, result)
     assert victim.read_text() == "precious" and victim_dir.is_dir() and not touched.exists()
 
@@ -314,10 +322,10 @@ def test_sandbox_kernel_filter_stops_bypasses_of_the_python_guards(tmp_path):
         "import ctypes\nassert ctypes.CDLL(None).setrlimit(9, (ctypes.c_ulong * 2)(2**40, 2**40)) == 0\n",
     ]
     for program in attacks:
-        ok, result = run_program(program)
+        ok, result = run_program(in_total(program))
         assert not ok, (program, result)
     assert victim.read_text() == "precious" and not touched.exists()
-    assert run_program("import threading\nt = threading.Thread(target=print)\nt.start()\nt.join()\n")[0]
+    assert run_program(in_total("import threading\nt = threading.Thread(target=print)\nt.start()\nt.join()\n"))[0]
 
 
 def test_sandbox_blocks_network():
@@ -327,7 +335,9 @@ def test_sandbox_blocks_network():
     listener.settimeout(0.2)
     port = listener.getsockname()[1]
     try:
-        ok, result = run_program(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n")
+        ok, result = run_program(
+            in_total(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n")
+        )
         assert not ok, result
         with pytest.raises(socket.timeout):
             listener.accept()

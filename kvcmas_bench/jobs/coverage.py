@@ -12,6 +12,7 @@ from ..calibration import ImportanceRecorder
 from ..engine import Engine
 from ..errors import BenchError
 from ..methods import resolve_methods
+from ..results.outdir import atomic_write, lock_output_dir
 from ..results.records import write_json
 from ..workflow import Workflow
 from ..workloads import get_workload
@@ -46,40 +47,46 @@ def coverage_report(
 ) -> pd.DataFrame:
     """Run ``limit`` samples densely, record every reused segment's source/exact caches and
     attention importance, and tabulate coverage for each ``rho``; saved as CSV and JSON."""
-    from ..modeling import load_model
+    from ..modeling import load_model, resolve_device, resolve_dtype
 
     if limit < 1:
         raise BenchError(f"--limit must be a positive integer, got {limit}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise BenchError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
     for r in rhos:
         if not 0.0 <= r <= 1.0:
             raise BenchError(f"--rho must lie in [0, 1], got {r}")
+    if not rhos:
+        raise BenchError("no --rho values given")
     options = criterion_options(method_args)
     wl = get_workload(workload)
-    samples = select_samples(wl.load(), limit, seed)
-    lm = load_model(model, dtype, device)
-    rec = ImportanceRecorder()
-    flow = Workflow(Engine(lm.model, lm.tokenizer), rec, wl, max_new_tokens)
-    for s in samples:
-        flow.run_unit(s)
-    if not rec.observations:
-        raise BenchError("no reused segments observed")
-    frames = []
-    for r in rhos:
-        df = reconstruction_coverage(rec.observations, 1.0 - r, importance=rec.importance, **options)
-        df.insert(0, "rho", r)
-        frames.append(df)
-    out = pd.concat(frames, ignore_index=True)
+    resolve_device(device)
+    resolve_dtype(dtype)
     path = Path(output_path)
-    path.mkdir(parents=True, exist_ok=True)
-    out.to_csv(path / "coverage.csv", index=False)
-    write_json(
-        path / "coverage.json",
-        {
-            "workload": workload,
-            "model": lm.name,
-            "samples": [s.id for s in samples],
-            "options": options,
-            "rows": out.to_dict(orient="records"),
-        },
-    )
+    with lock_output_dir(path):  # a busy, unwritable or file output path fails before any work
+        samples = select_samples(wl.load(), limit, seed)
+        lm = load_model(model, dtype, device)
+        rec = ImportanceRecorder()
+        flow = Workflow(Engine(lm.model, lm.tokenizer), rec, wl, max_new_tokens)
+        for s in samples:
+            flow.run_unit(s)
+        if not rec.observations:
+            raise BenchError("no reused segments observed")
+        frames = []
+        for r in rhos:
+            df = reconstruction_coverage(rec.observations, 1.0 - r, importance=rec.importance, **options)
+            df.insert(0, "rho", r)
+            frames.append(df)
+        out = pd.concat(frames, ignore_index=True)
+        atomic_write(path / "coverage.csv", out.to_csv(index=False))
+        write_json(
+            path / "coverage.json",
+            {
+                "workload": workload,
+                "model": lm.name,
+                "samples": [s.id for s in samples],
+                "options": options,
+                "rows": out.to_dict(orient="records"),
+            },
+        )
     return out

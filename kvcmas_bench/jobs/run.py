@@ -9,13 +9,17 @@ from ..calibration import auto_tau, collect
 from ..engine import UIDS, Engine
 from ..errors import BenchError
 from ..methods import MethodSpec, resolve_method
+from ..results.outdir import lock_output_dir
 from ..results.provenance import provenance
-from ..results.records import RunDir, write_json
+from ..results.records import RunDir, check_run_dir, write_json
 from ..results.request import RequestRecord
 from ..results.state import MethodStateStore
 from ..results.summary import summarize
-from ..workflow import TOPOLOGIES, Workflow, request_records
+from ..workflow import TOPOLOGIES, Workflow, plan, request_records
 from ..workloads import Workload, get_workload
+
+#: most agents of one workflow (``--agents``); the model's context bounds it further (:func:`check_context`)
+MAX_AGENTS = 64
 
 
 @dataclass
@@ -50,8 +54,10 @@ class RunOptions:
             raise BenchError(f"--calib-samples must be a positive integer, got {self.calib_samples}")
         if self.topology not in TOPOLOGIES:
             raise BenchError(f"unknown --topology {self.topology!r}; use one of {', '.join(TOPOLOGIES)}")
-        if self.agents is not None and self.agents < 2:
-            raise BenchError(f"--agents must be at least 2 (task agents + the final agent), got {self.agents}")
+        if self.agents is not None and not 2 <= self.agents <= MAX_AGENTS:
+            raise BenchError(
+                f"--agents must lie in [2, {MAX_AGENTS}] (task agents + the final agent), got {self.agents}"
+            )
         if self.rounds < 1:
             raise BenchError(f"--rounds must be a positive integer, got {self.rounds}")
         if self.limit is not None and self.limit < 1:
@@ -111,17 +117,46 @@ class Prepared:
         return Workflow(self.engine, method, self.workload, opts.max_new_tokens, opts.final_max_new_tokens, **kw)
 
 
-def prepare(opts: RunOptions) -> Prepared:
-    """Check every option, load data and model, calibrate: all the work before the first sample."""
-    from ..modeling import load_model, resolve_device, resolve_dtype
+def resolve_options(opts: RunOptions) -> tuple[Workload, MethodSpec]:
+    """Check every option without loading data or model (bad input never touches the output path)."""
+    from ..modeling import resolve_device, resolve_dtype
 
     opts.validate()
     workload = get_workload(opts.workload, data_path=opts.data_path, subjects=opts.subjects)
     spec = resolve_method(opts.method, opts.method_args, workload)
     if opts.target_reuse is not None and "tau" not in spec.cls.knobs():
         raise BenchError(f"--target-reuse applies to methods with a gate threshold, not {opts.method!r}")
-    device = resolve_device(opts.device)
+    resolve_device(opts.device)
     resolve_dtype(opts.dtype)
+    return workload, spec
+
+
+def check_context(opts: RunOptions, workload: Workload, model) -> None:
+    """The agent outputs one prompt of the workflow accumulates, plus the agent's own output, must fit
+    the model's context (``max_position_embeddings``); the prompt text comes on top of that."""
+    config = getattr(model, "config", None)
+    limit = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return
+    n_agents = opts.agents or len(workload.roles) + 1
+    max_new = opts.max_new_tokens or workload.max_new_tokens
+    final_new = opts.final_max_new_tokens or workload.final_max_new_tokens
+    nodes = plan(opts.topology, workload.roles, workload.final_role, n_agents, opts.rounds)
+    need = max(len(n.reads) * max_new + (final_new if n.final else max_new) for n in nodes)
+    if need > limit:
+        raise BenchError(
+            f"--agents {n_agents} --rounds {opts.rounds} ({opts.topology}): one prompt accumulates agent outputs "
+            f"and an answer of up to {need} tokens > the model's context of {limit}; lower --agents, --rounds "
+            "or --max-new-tokens"
+        )
+
+
+def prepare(opts: RunOptions) -> Prepared:
+    """Check every option, load data and model, calibrate: all the work before the first sample."""
+    from ..modeling import load_model, resolve_device
+
+    workload, spec = resolve_options(opts)
+    device = resolve_device(opts.device)
     all_samples = workload.load()
     samples = select_samples(all_samples, opts.limit, opts.seed)
     if not samples:
@@ -137,6 +172,7 @@ def prepare(opts: RunOptions) -> Prepared:
         lm = load_vlm(opts.model, opts.dtype, str(device))
     else:
         lm = load_model(opts.model, opts.dtype, str(device))
+    check_context(opts, workload, lm.model)
     p = Prepared(workload, spec, samples, calib, lm, Engine(lm.model, lm.tokenizer))
     p.method = spec()
     if p.method.needs_calibration:
@@ -179,6 +215,13 @@ def run_config(opts: RunOptions, p: Prepared, flow: Workflow) -> dict:
 
 def run(opts: RunOptions, progress=None) -> dict:
     """Run (or resume) one benchmark and return its summary."""
+    resolve_options(opts)
+    with lock_output_dir(opts.output_path) as path:  # a busy or unwritable output path fails before any work,
+        check_run_dir(path)  # and so does a damaged run directory
+        return _run(opts, progress)
+
+
+def _run(opts: RunOptions, progress=None) -> dict:
     p = prepare(opts)
     flow = p.flow(p.method, opts, opts.fidelity)
     out = RunDir(opts.output_path, run_config(opts, p, flow))

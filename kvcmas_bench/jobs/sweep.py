@@ -28,13 +28,14 @@ from pathlib import Path
 from ..console import print_sweep_table
 from ..errors import BenchError
 from ..methods import MethodSpec, expand_methods, resolve_methods
+from ..results.outdir import atomic_write, lock_output_dir
 from ..results.provenance import provenance
-from ..results.records import write_json
+from ..results.records import read_jsonl_objects, write_json
 from ..results.request import RequestRecord
 from ..serving.arrivals import arrival_times, check_rate
 from ..serving.backends import Backend, get_backend, replay_all
 from ..serving.metrics import DEFINITIONS, QPS_UNIT, sweep_row
-from ..serving.traces import DEFAULT_ACCUMULATED_CONTEXT, N_AGENTS, Trace, build_traces, load_traces, save_traces
+from ..serving.traces import DEFAULT_ACCUMULATED_CONTEXT, N_AGENTS, Trace, build_traces, dump_traces, load_traces
 
 # settings that change measured service times: a resumed output directory must match them
 MEASURE_KEYS = ("model", "dtype", "device", "backend", "method_args", "traces_sha256", "ignore_eos", "warmup")
@@ -172,7 +173,7 @@ def _built_groups(
 
 
 def sweep_config(
-    sweep: SweepSpec, backend: Backend, out_dir: Path, method_args: dict, dtype: str, ignore_eos: bool, warmup: bool
+    sweep: SweepSpec, backend: Backend, traces_text: str, method_args: dict, dtype: str, ignore_eos: bool, warmup: bool
 ) -> dict:
     traces = sweep.traces
     device = str(backend.describe().get("device"))
@@ -190,7 +191,7 @@ def sweep_config(
         "burstiness": sweep.burstiness,
         "seed": sweep.seed,
         "traces_path": sweep.traces_path,
-        "traces_sha256": hashlib.sha256((out_dir / "traces.jsonl").read_bytes()).hexdigest(),
+        "traces_sha256": hashlib.sha256(traces_text.encode("utf-8")).hexdigest(),
         "model": backend.model_name,
         "model_source": backend.model_source,
         "dtype": dtype,
@@ -213,10 +214,7 @@ def open_dir(out_dir: Path, config: dict, num_trajectories: int) -> Measured:
     service_path = out_dir / "service.jsonl"
     saved: Measured = {}
     if cfg_path.exists():
-        try:
-            old = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            raise BenchError(f"{cfg_path} is not valid JSON; use another --output-path") from None
+        old = _read_config(cfg_path)
         diff = [k for k in MEASURE_KEYS if old.get(k) != config.get(k)]
         if diff and diff[0] == "traces_sha256":
             raise BenchError(
@@ -299,40 +297,39 @@ def serve_sweep(
     console = console if console is not None else Console()
     say = progress or (lambda msg: console.print(f"[dim]{msg}[/dim]"))
     out_dir = Path(output_path)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise BenchError(f"--output-path {out_dir} exists and is not a directory")
     loaded = load_traces(traces_path) if traces_path else None
-    if backend is None or isinstance(backend, str):
-        backend = get_backend(
-            backend or "in-process", model=model, device=device, dtype=dtype, ignore_eos=ignore_eos, warmup=warmup
+    with lock_output_dir(out_dir):  # a busy or unwritable output path fails before the model loads
+        if backend is None or isinstance(backend, str):
+            backend = get_backend(
+                backend or "in-process", model=model, device=device, dtype=dtype, ignore_eos=ignore_eos, warmup=warmup
+            )
+        sweep = SweepSpec(specs, qps_list, num_trajectories, burstiness, seed, accumulated, traces_path)
+        sweep.groups = (
+            _groups_from_file(loaded, traces_path, shared_tokens, num_trajectories, accumulated, needs_calib)
+            if loaded is not None
+            else _built_groups(
+                backend.tokenizer,
+                shared_tokens,
+                num_trajectories,
+                output_tokens,
+                seed,
+                accumulated,
+                context_tokens,
+                calib_trajectories,
+                texts,
+            )
         )
-    sweep = SweepSpec(specs, qps_list, num_trajectories, burstiness, seed, accumulated, traces_path)
-    sweep.groups = (
-        _groups_from_file(loaded, traces_path, shared_tokens, num_trajectories, accumulated, needs_calib)
-        if loaded is not None
-        else _built_groups(
-            backend.tokenizer,
-            shared_tokens,
-            num_trajectories,
-            output_tokens,
-            seed,
-            accumulated,
-            context_tokens,
-            calib_trajectories,
-            texts,
-        )
-    )
-    check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_traces(sweep.traces, out_dir / "traces.jsonl")
-    config = sweep_config(sweep, backend, out_dir, method_args or {}, dtype, ignore_eos, warmup)
-    saved = open_dir(out_dir, config, num_trajectories)
-    config["backend_config"] = backend.describe()
-    write_json(out_dir / "config.json", config)
-    timelines = serve_all(sweep, backend, saved, config, out_dir / "service.jsonl", say)
-    config["backend_config"] = backend.describe()
-    write_json(out_dir / "config.json", config)
-    return finish(out_dir, config, timelines, plots, console if show_table else None)
+        check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
+        traces_text = dump_traces(sweep.traces)
+        config = sweep_config(sweep, backend, traces_text, method_args or {}, dtype, ignore_eos, warmup)
+        saved = open_dir(out_dir, config, num_trajectories)  # checks the directory before anything is written
+        atomic_write(out_dir / "traces.jsonl", traces_text)
+        config["backend_config"] = backend.describe()
+        write_json(out_dir / "config.json", config)
+        timelines = serve_all(sweep, backend, saved, config, out_dir / "service.jsonl", say)
+        config["backend_config"] = backend.describe()
+        write_json(out_dir / "config.json", config)
+        return finish(out_dir, config, timelines, plots, console if show_table else None)
 
 
 def serve_all(
@@ -416,7 +413,14 @@ def evaluate_service(
     cfg_path = out_dir / "config.json"
     if not cfg_path.exists():
         raise BenchError(f"{out_dir} holds no serve-sweep (config.json missing)")
-    config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    with lock_output_dir(out_dir):
+        return _evaluate_service(out_dir, _read_config(cfg_path), qps, burstiness, seed, plots, console)
+
+
+def _evaluate_service(
+    out_dir: Path, config: dict, qps: list[float], burstiness: float | None, seed: int | None, plots: bool, console
+) -> dict:
+    cfg_path = out_dir / "config.json"
     burstiness = config.get("burstiness", 1.0) if burstiness is None else burstiness
     seed = config.get("seed", 0) if seed is None else seed
     _, qps_list = validate(config["methods"], qps, [], 1, burstiness, 1, 0, True)
@@ -437,28 +441,35 @@ def evaluate_service(
 
 # ---- output directory -----------------------------------------------------------------------------
 def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, default=str) + "\n")
-    tmp.replace(path)
+    atomic_write(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        raise BenchError(f"{path} is not valid JSON; use another --output-path") from None
+    if not isinstance(config, dict):
+        raise BenchError(f"{path} is not a serve-sweep configuration; use another --output-path")
+    return config
 
 
 def _read_service(path: Path) -> Measured:
-    """Saved measurements, grouped (method, shared) -> trajectories -> agents; torn lines dropped."""
+    """Saved measurements, grouped (method, shared) -> trajectories -> agents. Only a torn last line
+    (killed mid-write) is dropped; any other bad line raises ``BenchError`` naming it."""
     groups: dict[tuple[str, int], dict[str, list[RequestRecord]]] = {}
-    if not path.exists():
-        return {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            try:
-                rec = RequestRecord.from_dict(json.loads(line))
-            except json.JSONDecodeError:
-                break
-            groups.setdefault((rec.method, int(rec.shared_tokens)), {}).setdefault(rec.trajectory, []).append(rec)
-    return {k: [sorted(v, key=lambda r: r.step) for v in trajs.values()] for k, trajs in groups.items()}
+    rows, _ = read_jsonl_objects(path)
+    for n, _, d in rows:
+        try:
+            rec = RequestRecord.from_dict(d)
+            key = (str(rec.method), int(rec.shared_tokens))
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            raise BenchError(
+                f"{path} line {n} is not a measured request ({str(exc)[:200]}); nothing was changed "
+                "(repair or remove that line, or use another --output-path)"
+            ) from None
+        groups.setdefault(key, {}).setdefault(str(rec.trajectory), []).append(rec)
+    return {k: [sorted(v, key=lambda r: r.step or 0) for v in trajs.values()] for k, trajs in groups.items()}
 
 
 def _append_service(path: Path, service: list[list[RequestRecord]]) -> None:

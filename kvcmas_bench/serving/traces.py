@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ..engine import Request, Segment
 from ..errors import BenchError
+from ..results.outdir import atomic_write
 from ..workloads.base import Role
 
 FORMAT = "kvcmas-serve-trace/1"
@@ -144,20 +145,21 @@ class Trace:
     @classmethod
     def from_dict(cls, d: dict) -> Trace:
         if d.get("format") != FORMAT:
-            raise BenchError(f"not a serving trace (format {d.get('format')!r}, expected {FORMAT!r})")
+            raise ValueError(f"format {d.get('format')!r}, expected {FORMAT!r}")
         d = {k: v for k, v in d.items() if k != "format"}
         d["agents"] = [AgentSpec(**a) for a in d["agents"]]
         return cls(**d)
 
 
+def dump_traces(traces: Sequence[Trace]) -> str:
+    """The JSONL text of ``traces`` (what :func:`save_traces` writes)."""
+    return "".join(json.dumps(t.to_dict()) + "\n" for t in traces)
+
+
 def save_traces(traces: Sequence[Trace], path: str | Path) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for t in traces:
-            f.write(json.dumps(t.to_dict()) + "\n")
-    tmp.replace(p)
+    atomic_write(p, dump_traces(traces))
 
 
 def load_traces(path: str | Path) -> list[Trace]:
@@ -166,12 +168,20 @@ def load_traces(path: str | Path) -> list[Trace]:
         raise BenchError(f"trace file not found: {p}")
     out = []
     try:
-        with open(p, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):  # noqa: B007 - n names the bad line below
-                if line.strip():
-                    out.append(Trace.from_dict(json.loads(line)))
-    except (json.JSONDecodeError, TypeError, KeyError) as exc:
-        raise BenchError(f"{p}: line {n} is not a valid serving trace ({exc})") from None
+        with open(p, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                    if not line.strip():
+                        continue
+                    d = json.loads(line)
+                    if not isinstance(d, dict):
+                        raise TypeError(f"a JSON {type(d).__name__}, not an object")
+                    out.append(Trace.from_dict(d))
+                except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+                    raise BenchError(f"{p}: line {n} is not a valid serving trace ({str(exc)[:200]})") from None
+    except OSError as exc:
+        raise BenchError(f"cannot read trace file {p}: {exc.strerror or exc}") from None
     if not out:
         raise BenchError(f"trace file {p} holds no trajectories")
     return out

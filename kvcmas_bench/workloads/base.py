@@ -54,6 +54,36 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def read_jsonl(path: str | Path, what: str) -> list[dict]:
+    """The JSON objects of a JSONL file (``.gz`` too), blank lines skipped; an unreadable file or a
+    line that is not UTF-8 JSON or not an object is one ``BenchError`` naming ``what`` and the line."""
+    import gzip
+    import json
+    import zlib
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    rows = []
+    try:
+        with opener(path, "rb") as f:
+            for n, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+                    raise BenchError(
+                        f"cannot read {what} from {path}: line {n} is not UTF-8 JSON ({first_line(exc)[:200]})"
+                    ) from None
+                if not isinstance(row, dict):
+                    raise BenchError(
+                        f"cannot read {what} from {path}: line {n} is a JSON {type(row).__name__}, not an object"
+                    )
+                rows.append(row)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise BenchError(f"cannot read {what} from {path}: {first_line(exc)}") from None
+    return rows
+
+
 def load_hub(repo: str, *args, what: str | None = None, **kwargs):
     """``datasets.load_dataset(repo, *args, **kwargs)``; any failure (offline, missing repo, no
     ``datasets``) becomes one user-facing line."""

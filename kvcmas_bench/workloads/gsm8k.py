@@ -8,11 +8,10 @@ any other data path is a local jsonl file in the same form. Scoring is exact mat
 
 from __future__ import annotations
 
-import json
 import re
 
 from ..errors import BenchError
-from .base import Role, Sample, Workload, load_hub, package_file, register
+from .base import Role, Sample, Workload, load_hub, package_file, read_jsonl, register
 
 _FORMAT = "End your reply with the line: The answer is N, where N is the final number without units."
 
@@ -146,11 +145,7 @@ class GSM8K(Workload):
 
     @staticmethod
     def _load_jsonl(path) -> list[dict]:
-        try:
-            with open(path, encoding="utf-8") as f:
-                return [json.loads(line) for line in f if line.strip()]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BenchError(f"cannot read GSM8K data from {path}: {exc}") from None
+        return read_jsonl(path, "GSM8K data")
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         pred = extract_number(output)

