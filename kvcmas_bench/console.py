@@ -1,83 +1,166 @@
-"""Console tables of the jobs (rich). The full figures are in the output files; the tables show the
-key columns with units in the headers."""
+"""Console tables of the jobs (rich), readable at 80 columns.
+
+Every table is built by :func:`fitted_table`: compact layout, units in the headers or the title,
+and the least important columns dropped until the table's minimum width fits the console, so no
+cell is ever cut to an ellipsis. The full figures are in the output files (named in the caption).
+"""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
+
+from .report.columns import Column, cell
 
 
 def fmt(v, unit: str = "") -> str:
     """A table cell: ``-`` for missing values, MiB for bytes, 3 decimals for seconds."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if unit == "B":
-        return f"{v / 2**20:.1f} MiB"
-    if unit == "s":
-        return f"{v:.3f}"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    return cell(v, {"B": "MiB", "s": "s"}.get(unit, "num"))
+
+
+def _build(title: str, cols: Sequence[Column], rows: Sequence[dict], caption: str | None) -> Table:
+    t = Table(
+        title=title,
+        caption=caption,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        title_justify="left",
+        caption_justify="left",
+    )
+    for c in cols:
+        t.add_column(c.header, justify=c.justify, overflow="fold")
+    for r in rows:
+        t.add_row(*[cell(r.get(c.key), c.kind) for c in cols])
+    return t
+
+
+def _column_ranges(console: Console, table: Table) -> list:
+    """Each column's (minimum, maximum) width with padding: minimum = its longest word."""
+    options = console.options.update_width(10_000)
+    return [table._measure_column(console, options, c) for c in table.columns]
+
+
+def min_width(console: Console, table: Table) -> int:
+    """The width below which some cell of ``table`` would be cut: every column at its longest word.
+    (``Measurement.get`` of a table is capped at the console width, so it cannot tell.)"""
+    return sum(r.minimum for r in _column_ranges(console, table)) + table._extra_width
+
+
+def _fix_widths(console: Console, table: Table, width: int) -> None:
+    """When ``table`` does not fit naturally, fix its column widths: every column at least its
+    longest word, the spare width to the columns that need it most (rich's own collapse may cut a
+    column below its longest word)."""
+    ranges = _column_ranges(console, table)
+    avail = width - table._extra_width
+    if sum(r.maximum for r in ranges) <= avail:
+        return
+    widths = [r.minimum for r in ranges]
+    for _ in range(max(0, avail - sum(widths))):
+        need = [r.maximum - w for r, w in zip(ranges, widths)]
+        i = max(range(len(widths)), key=lambda j: need[j])
+        if need[i] <= 0:
+            break
+        widths[i] += 1
+    for i, (col, w) in enumerate(zip(table.columns, widths)):
+        col.width = max(1, w - table._get_padding_width(i))
+
+
+def fitted_table(
+    console: Console,
+    title: str,
+    columns: Sequence[Column],
+    rows: Sequence[dict],
+    caption: str | None = None,
+    more: str | None = None,
+) -> Table:
+    """A table of ``rows`` (dicts keyed by the columns' keys) that fits ``console.width``: columns of
+    the highest priority number are dropped first (priority 0 never). ``more``: where the dropped
+    columns can be found, added to the caption when some were dropped."""
+    keep = list(columns)
+    while True:
+        note = caption
+        dropped = [c.header for c in columns if c not in keep]
+        if dropped and more:
+            note = ((caption + "\n") if caption else "") + f"{len(dropped)} more columns in {more}"
+        t = _build(title, keep, rows, note)
+        droppable = [c for c in keep if c.priority > 0]
+        if min_width(console, t) <= console.width or not droppable:
+            _fix_widths(console, t, console.width)
+            return t
+        worst = max(c.priority for c in droppable)
+        keep.remove([c for c in droppable if c.priority == worst][-1])
+
+
+RUN_COLUMNS = (
+    Column("n", "n", "int", 3),
+    Column("accuracy", "accuracy", "acc", 0),
+    Column("latency_s", "latency (s)", "s", 0),
+    Column("ttft_s", "TTFT (s)", "s", 0),
+    Column("ttft_s_p90", "TTFT p90 (s)", "s", 2),
+    Column("peak_mem_bytes", "peak mem (MiB)", "MiB", 1),
+    Column("kv_state_peak_bytes", "KV+state peak (MiB)", "MiB", 2),
+    Column("reuse_ratio", "rho", "rho", 0),
+)
 
 
 def print_run_summary(summary: dict, console: Console) -> None:
-    t = Table(title=f"{summary['method']} on {summary['workload']} ({summary.get('model')})")
-    for col in ("n", "accuracy", "latency (s)", "TTFT (s)", "TTFT p90 (s)", "peak mem", "KV+state peak", "rho"):
-        t.add_column(col, justify="right")
-    t.add_row(
-        fmt(summary.get("n")),
-        fmt(summary.get("accuracy")),
-        fmt(summary.get("latency_s")),
-        fmt(summary.get("ttft_s")),
-        fmt(summary.get("ttft_s_p90")),
-        fmt(summary.get("peak_mem_bytes"), "B"),
-        fmt(summary.get("kv_state_peak_bytes"), "B"),
-        fmt(summary.get("reuse_ratio")),
-    )
-    console.print(t)
+    title = f"{summary['method']} on {summary['workload']} ({summary.get('model')}, {summary.get('device', '?')})"
+    console.print(fitted_table(console, title, RUN_COLUMNS, [summary], more="summary.json"))
     if "fidelity" in summary:
         f = summary["fidelity"]
         console.print(
-            f"fidelity: top-1 agreement {fmt(f['top1_agree'])}, first-token KL "
-            f"{fmt(f['first_token_kl'])}, relative KV error {fmt(f['kv_rel_error'])}"
+            f"fidelity: top-1 agreement {fmt(f.get('top1_agree'))}, first-token KL "
+            f"{fmt(f.get('first_token_kl'))}, relative KV error {fmt(f.get('kv_rel_error'))}"
         )
+
+
+SWEEP_COLUMNS = (
+    Column("method", "method", "text", 0, "left"),
+    Column("shared_tokens", "shared tokens", "int", 1),
+    Column("qps", "QPS", "num", 0),
+    Column("util_cell", "util", "raw", 0),
+    Column("ttft_p50_s", "TTFT p50", "s", 0),
+    Column("ttft_p90_s", "p90", "s", 0),
+    Column("ttft_p99_s", "p99", "s", 3),
+    Column("ttft_mean_s", "mean", "s", 6),
+    Column("throughput_tok_s", "tok/s", "num", 5),
+    Column("peak_mem_bytes", "peak MiB", "MiB", 4),
+    Column("kv_state_peak_bytes", "KV+state MiB", "MiB", 6),
+    Column("reuse_ratio", "rho", "rho", 2),
+)
+
+
+def saturation_note(summary: dict) -> str | None:
+    """The caption line on saturated points and the QPS NonShared sustains (None when none)."""
+    sat = [r for r in summary["rows"] if r.get("saturated")]
+    cap = summary.get("capacity") or {}
+    if not sat:
+        return None
+    worst = max(sat, key=lambda r: r["utilization"])
+    text = (
+        f"! saturated: {len(sat)} of {len(summary['rows'])} points offer load >= 1 (up to "
+        f"{worst['utilization']:.1f}x what the server serves); the queue grows without bound and their "
+        "percentiles grow with the trace length."
+    )
+    for shared, c in cap.items():
+        if c.get("nonshared_capacity_qps") is not None:
+            text += f" NonShared sustains < {c['nonshared_capacity_qps']:.3g} QPS at {shared} shared tokens"
+            if c.get("nonshared_max_stable_qps") is not None:
+                text += f" (highest stable QPS swept: {c['nonshared_max_stable_qps']:g})"
+            text += "."
+    return text
 
 
 def print_sweep_table(summary: dict, console: Console) -> None:
-    t = Table(
-        title=f"serve-sweep ({summary.get('model')}; engine {summary.get('engine')}; "
-        "QPS = trajectories/s, 0 = single stream)"
-    )
-    for col in (
-        "method",
-        "shared",
-        "qps",
-        "util",
-        "TTFT p50 (s)",
-        "p90",
-        "p99",
-        "mean",
-        "tok/s",
-        "peak mem",
-        "KV+state",
-        "rho",
-    ):
-        t.add_column(col, justify="right" if col != "method" else "left", no_wrap=col == "method")
+    rows = []
     for r in summary["rows"]:
-        t.add_row(
-            r["method"],
-            str(r["shared_tokens"]),
-            fmt(r["qps"]),
-            fmt(r["utilization"]),
-            fmt(r["ttft_p50_s"], "s"),
-            fmt(r["ttft_p90_s"], "s"),
-            fmt(r["ttft_p99_s"], "s"),
-            fmt(r["ttft_mean_s"], "s"),
-            fmt(r["throughput_tok_s"]),
-            fmt(r["peak_mem_bytes"], "B"),
-            fmt(r["kv_state_peak_bytes"], "B"),
-            fmt(r["reuse_ratio"]),
-        )
-    console.print(t)
+        u = f"{r['utilization']:.2f}" if r.get("utilization") is not None else "-"
+        rows.append({**r, "util_cell": f"[bold red]{u}![/]" if r.get("saturated") else u})
+    title = (
+        f"serve-sweep, TTFT in s under load ({summary.get('model')}; {summary.get('device', '?')}; engine "
+        f"{summary.get('engine')}; QPS = trajectory starts/s, 0 = single stream)"
+    )
+    console.print(fitted_table(console, title, SWEEP_COLUMNS, rows, saturation_note(summary), "summary.json"))
