@@ -285,6 +285,25 @@ def coverage_cmd(
     err.print(f"results in {output_path}/ (coverage.csv, coverage.json)")
 
 
+@app.command("report")
+def report_cmd(
+    dirs: list[str] = typer.Argument(..., help="Run, suite and serve-sweep directories."),
+    output_path: str | None = typer.Option(
+        None, "--output-path", "-o", help="Report directory (default: DIR/report for one input, else runs/report)."
+    ),
+    report_format: str = typer.Option("md,html", "--format", help="Comma-separated: md, html, csv, parquet."),
+    plots: bool = typer.Option(True, help="Draw the figures (PNG and SVG)."),
+) -> None:
+    """Table 1 per workload (accuracy, latency, TTFT, memory, rho, fidelity, agreement with NonShared),
+    Pareto plots, sweep TTFT-vs-QPS figures; Markdown, one self-contained HTML page, CSV/Parquet frames."""
+    from .jobs.report import build_report, console_table1
+
+    target = output_path or (f"{dirs[0].rstrip('/')}/report" if len(dirs) == 1 else "runs/report")
+    res = build_report(dirs, target, _split(report_format) or [], plots)
+    console_table1(res, out)
+    err.print(f"report in {target}/ ({', '.join(p.name for p in res.files)}{', figures/' if res.figures else ''})")
+
+
 @app.command("methods")
 def list_methods(
     options: bool = typer.Option(
