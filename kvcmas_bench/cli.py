@@ -285,6 +285,67 @@ def coverage_cmd(
     err.print(f"results in {output_path}/ (coverage.csv, coverage.json)")
 
 
+@app.command("suite")
+def suite_cmd(
+    methods: str = typer.Option(
+        "all", "--methods", "--method", help="'all' or NAME[,NAME...]; NonShared is always added."
+    ),
+    workloads: str = typer.Option("mmlu", "--workloads", "--workload", help="Workloads, comma-separated."),
+    limit: int | None = typer.Option(None, help="Samples per workload (seeded subset; the same for every method)."),
+    seed: int = typer.Option(0, help="Seed of the sample subset."),
+    output_path: str = typer.Option("runs/suite", "--output-path", "-o", help="Suite directory; re-running resumes."),
+    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
+    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
+    fidelity: bool = typer.Option(False, help="Record KV error, first-token agreement and KL against dense."),
+    calib_samples: int = typer.Option(4, help="Held-out calibration samples (GraphFlow, DroidSpeak, RelayCaching)."),
+    tau: float | None = typer.Option(None, help="Gate threshold of KVCMAS/KVComm (default: per workload)."),
+    rho: float | None = typer.Option(None, help="Target reuse ratio of CacheBlend/DroidSpeak/RelayCaching."),
+    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
+    report_format: str = typer.Option("md,html", "--format", help="Report formats: md, html, csv, parquet."),
+    plots: bool = typer.Option(True, help="Draw the report figures."),
+) -> None:
+    """Run a matrix of methods x workloads (one resumable run directory per cell, the same samples for
+    every method, NonShared as the reference) and write the report (Table 1, agreement, Pareto plots)."""
+    from .console import SuiteProgress
+    from .jobs.report import console_table1
+    from .jobs.suite import SuiteOptions, run_suite
+
+    opts = SuiteOptions(
+        methods=_split(methods) or [],
+        workloads=_split(workloads) or [],
+        limit=limit,
+        seed=seed,
+        output_path=output_path,
+        model=model,
+        device=device,
+        dtype=dtype,
+        max_new_tokens=max_new_tokens,
+        final_max_new_tokens=final_max_new_tokens,
+        fidelity=fidelity,
+        calib_samples=calib_samples,
+        method_args=knob_args(method_arg, tau=tau, rho=rho),
+        report_formats=_split(report_format) or [],
+        plots=plots,
+    )
+    progress = SuiteProgress(err)
+    try:
+        res = run_suite(opts, progress=progress)
+    finally:
+        if hasattr(progress, "matrix"):
+            progress.stop()
+    if res.report is not None:
+        console_table1(res.report, out)
+        err.print(f"report in {res.report.out_dir}/ ({', '.join(p.name for p in res.report.files)}, figures/)")
+    if res.failed:
+        first, msg = next(iter(res.failed.items()))
+        raise BenchError(
+            f"{len(res.failed)} of {len(res.cells)} cells failed ({first}: {msg}); see {output_path}/suite.json"
+        )
+
+
 @app.command("report")
 def report_cmd(
     dirs: list[str] = typer.Argument(..., help="Run, suite and serve-sweep directories."),

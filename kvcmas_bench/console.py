@@ -164,3 +164,66 @@ def print_sweep_table(summary: dict, console: Console) -> None:
         f"{summary.get('engine')}; QPS = trajectory starts/s, 0 = single stream)"
     )
     console.print(fitted_table(console, title, SWEEP_COLUMNS, rows, saturation_note(summary), "summary.json"))
+
+
+class SuiteProgress:
+    """Rich progress over a whole suite: one bar for the matrix (samples of every cell, with the
+    count of finished cells) and one per cell (samples, running accuracy)."""
+
+    def __init__(self, console: Console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
+        self.cells_done = 0
+        self.n_cells = 0
+
+    def begin(self, cells, done: set[str]) -> None:
+        self.n_cells, self.cells_done = len(cells), len(done)
+        self.bar.start()
+        self.matrix = self.bar.add_task(
+            "suite", total=sum(c.n for c in cells), completed=sum(c.n for c in cells if c.name in done), info=""
+        )
+        self._info()
+        for c in cells:
+            if c.name in done:
+                self.bar.add_task(c.name, total=c.n, completed=c.n, info="done earlier")
+
+    def _info(self) -> None:
+        self.bar.update(self.matrix, info=f"{self.cells_done}/{self.n_cells} cells")
+
+    def cell(self, cell) -> _CellProgress:
+        return _CellProgress(self, self.bar.add_task(cell.name, total=cell.n, info=""))
+
+    def end_cell(self, cell, status: str, detail) -> None:
+        self.cells_done += 1
+        self._info()
+        if status == "failed":
+            self.bar.console.print(f"[red]{cell.name} failed:[/] {detail}")
+
+    def stop(self) -> None:
+        self.bar.stop()
+
+
+class _CellProgress:
+    """What the ``run`` job reports to (``start``, ``advance``), forwarded to the suite's bars."""
+
+    def __init__(self, suite: SuiteProgress, task):
+        self.suite, self.task = suite, task
+        self.correct = self.n = 0
+
+    def start(self, total: int, done: int) -> None:
+        self.suite.bar.update(self.task, total=total, completed=done)
+        self.suite.bar.advance(self.suite.matrix, done)
+
+    def advance(self, rec: dict) -> None:
+        self.n += 1
+        self.correct += int(rec["correct"])
+        self.suite.bar.update(self.task, advance=1, info=f"acc {self.correct / self.n:.3f}")
+        self.suite.bar.advance(self.suite.matrix, 1)
