@@ -365,6 +365,57 @@ def report_cmd(
     err.print(f"report in {target}/ ({', '.join(p.name for p in res.files)}{', figures/' if res.figures else ''})")
 
 
+@app.command("compare")
+def compare_cmd(
+    baseline: str = typer.Argument(..., help="Baseline run, suite or sweep directory."),
+    candidate: str = typer.Argument(..., help="Candidate directory of the same kind."),
+    max_accuracy_drop: str = typer.Option("0", help="Allowed accuracy drop: absolute (0.02) or relative (5%)."),
+    max_agreement_drop: str = typer.Option(
+        "0", help="Allowed drop of agreement with NonShared (answers, first tokens)."
+    ),
+    max_rho_drop: str = typer.Option("0", help="Allowed reuse-ratio drop."),
+    max_ttft_increase: str = typer.Option("10%", help="Allowed TTFT increase: seconds or relative."),
+    max_memory_increase: str = typer.Option("10%", help="Allowed memory increase: bytes (64MiB) or relative."),
+    noise: str = typer.Option("25%", help="Noise allowance on timings and measured peak memory."),
+    timings: bool = typer.Option(True, help="Check timings and peak memory (skipped anyway across hardware)."),
+    exact: bool = typer.Option(False, help="Fail on any difference of deterministic values where configs match."),
+    markdown: str | None = typer.Option(None, "--markdown", help="Write a Markdown report (for a PR comment)."),
+) -> None:
+    """Compare a candidate against a baseline: one-line verdict on stdout; exit 0 pass, 1 regression,
+    2 unusable input (missing, corrupt or incomparable: other model, samples or seed)."""
+    from pathlib import Path
+
+    from .jobs.compare import Limits, compare, parse_threshold
+    from .jobs.compare import markdown as to_markdown
+
+    lim = Limits(
+        accuracy_drop=parse_threshold("--max-accuracy-drop", max_accuracy_drop),
+        agreement_drop=parse_threshold("--max-agreement-drop", max_agreement_drop),
+        rho_drop=parse_threshold("--max-rho-drop", max_rho_drop),
+        ttft_increase=parse_threshold("--max-ttft-increase", max_ttft_increase),
+        memory_increase=parse_threshold("--max-memory-increase", max_memory_increase, byte_units=True),
+        noise=_fraction("--noise", noise),
+        timings=timings,
+        exact=exact,
+    )
+    cmp = compare(baseline, candidate, lim)
+    if markdown:
+        Path(markdown).write_text(to_markdown(cmp), encoding="utf-8")
+    from .console import print_compare
+
+    print_compare(cmp, err)
+    out.print(cmp.verdict(), soft_wrap=True, markup=False, highlight=False)
+    if cmp.regressed:
+        raise typer.Exit(1)
+
+
+def _fraction(flag: str, text: str) -> float:
+    from .jobs.compare import parse_threshold
+
+    t = parse_threshold(flag, text)
+    return t.value
+
+
 @app.command("methods")
 def list_methods(
     options: bool = typer.Option(

@@ -227,3 +227,40 @@ class _CellProgress:
         self.correct += int(rec["correct"])
         self.suite.bar.update(self.task, advance=1, info=f"acc {self.correct / self.n:.3f}")
         self.suite.bar.advance(self.suite.matrix, 1)
+
+
+COMPARE_COLUMNS = (
+    Column("scope", "scope", "text", 0, "left"),
+    Column("metric", "metric", "text", 0, "left"),
+    Column("baseline", "baseline", "text", 0),
+    Column("candidate", "candidate", "text", 0),
+    Column("change", "change", "text", 1),
+    Column("allowed", "allowed", "text", 2),
+)
+
+
+def print_compare(cmp, console: Console) -> None:
+    """The failed checks of a comparison (units in the cells), then its differences and notes."""
+    rows = []
+    for c in cmp.failures:
+        unit = {"s": " s", "MiB": " MiB"}.get(c.kind, "")
+        rows.append(
+            {
+                "scope": c.scope,
+                "metric": c.metric,
+                "baseline": cell(c.baseline, c.kind) + unit,
+                "candidate": cell(c.candidate, c.kind) + unit,
+                "change": c.change,
+                "allowed": c.allowed,
+            }
+        )
+    if rows:
+        console.print(fitted_table(console, "regressions", COMPARE_COLUMNS, rows, more="the --markdown report"))
+    label = "deterministic differences" + (" (regressions: --exact)" if cmp.exact else " (not failing without --exact)")
+    for title, items in ((label, cmp.differences), ("notes", cmp.notes)):
+        if items:
+            console.print(f"[bold]{title}:[/]")
+            for item in items[:10]:
+                console.print(f"  - {item}", markup=False, highlight=False)
+            if len(items) > 10:
+                console.print(f"  ... and {len(items) - 10} more (see the --markdown report)")
