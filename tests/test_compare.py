@@ -218,3 +218,20 @@ def test_compare_console_fits_80_columns(base, cand):
     print_compare(compare(str(base), str(cand), Limits(exact=True)), con)
     text = con.export_text()
     assert "…" not in text and "accuracy" in text and "TTFT" in text and "prediction differs" in text
+
+
+def test_committed_ci_baseline_is_usable():
+    """The baseline of scripts/regression.sh loads, matches the CI suite's settings, and passes
+    against itself (a corrupt or hand-edited baseline fails here, not in CI's last step)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    baseline = root / "benchmarks" / "baselines" / "ci-suite"
+    script = (root / "scripts" / "ci_suite.sh").read_text()
+    cmp = compare(str(baseline), str(baseline), Limits(exact=True))
+    assert cmp.pairs == 3 and not cmp.regressed
+    for method in ("nonshared", "fullshared", "kvcmas"):
+        cfg = json.loads((baseline / "mmlu" / method / "config.json").read_text())
+        assert cfg["fidelity"] and cfg["device"] == "cpu" and method in script
+        assert f"--limit {cfg['limit']} " in script and f"--max-new-tokens {cfg['max_new_tokens']} " in script
+        assert f"--final-max-new-tokens {cfg['final_max_new_tokens']} " in script
