@@ -160,11 +160,14 @@ class Comparison:
             checked = sum(c.status == "ok" for c in self.checks)
             return f"PASS: {checked} checks within limits, {same} {what}"
         items = [c.line() for c in self.failures]
+        counts = [f"{len(self.failures)} failed check{'s' if len(self.failures) != 1 else ''}"] if self.failures else []
         if self.exact and self.differences:
-            items.append(f"{len(self.differences)} deterministic differences (first: {self.differences[0]})")
+            items.append(f"first deterministic difference: {self.differences[0]}")
+            counts.append(
+                f"{len(self.differences)} deterministic difference{'s' if len(self.differences) != 1 else ''}"
+            )
         shown = "; ".join(items[:3]) + (f"; and {len(items) - 3} more" if len(items) > 3 else "")
-        n = len(self.failures)
-        return f"FAIL: {n} regression{'s' if n != 1 else ''}: {shown} {what}"
+        return f"FAIL ({', '.join(counts)}): {shown} {what}"
 
 
 # ---- checks ---------------------------------------------------------------------------------------

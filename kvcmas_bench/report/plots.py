@@ -28,6 +28,10 @@ X_AXES = {"latency_s": ("E2E latency per sample (s)", "E2E latency"), "ttft_s": 
 Y_AXES = {"accuracy": "accuracy", "answer_agreement": "answer agreement with NonShared"}
 
 
+#: one colour per method, the same in every figure
+COLORS = {m: f"C{i}" for i, m in enumerate(LABELS)}
+
+
 @dataclass
 class Figure:
     """A written figure: file stem, caption, PNG and SVG paths."""
@@ -58,7 +62,7 @@ def _frame(values: list[float], base: list[float], floor: float, clip: tuple[flo
     shrunk to the data where the data lie inside, clipped to ``clip``."""
     lo_b, hi_b = min(base), max(base)
     span = max(hi_b - lo_b, floor, 1e-6)
-    pad = 0.08 * span
+    pad = max(0.08 * span, 0.5 * floor)
     lo = max(lo_b - span, min(values) - pad, clip[0])
     hi = min(hi_b + span, max(values) + pad, clip[1])
     return lo, hi
@@ -92,8 +96,9 @@ def pareto_axes(df: pd.DataFrame, x: str, y: str, title: str):
     else:
         xlim = _frame(xs, xs, 0.2 * max(xs), (0.0, float("inf")))
         ylim = _frame(ys, ys, 0.1, (-0.02, 1.02))
-    for label, vx, vy in zip(pts["label"], xs, ys):
-        _point(ax, label, vx, vy, xlim, ylim)
+    order = sorted(range(len(xs)), key=lambda i: xs[i])  # stagger the labels of neighbouring points
+    for rank, i in enumerate(order):
+        _point(ax, pts["label"].iloc[i], xs[i], ys[i], xlim, ylim, 4 + 9 * (rank % 3))
     front = frontier(list(zip(xs, ys)))
     ax.plot(
         [p[0] for p in front],
@@ -102,6 +107,10 @@ def pareto_axes(df: pd.DataFrame, x: str, y: str, title: str):
         color="black",
         lw=1,
         ls="--",
+        marker="o",
+        ms=11,
+        mfc="none",
+        mec="black",
         gid="frontier",
         label="Pareto frontier",
     )
@@ -135,17 +144,18 @@ def _shade(ax, bx: list[float], by: list[float], ylim: tuple[float, float]) -> N
     )
 
 
-def _point(ax, label: str, x: float, y: float, xlim, ylim) -> None:
+def _point(ax, label: str, x: float, y: float, xlim, ylim, dy: int = 4) -> None:
     cx, cy = min(max(x, xlim[0]), xlim[1]), min(max(y, ylim[0]), ylim[1])
     inside = (cx, cy) == (x, y)
     name = display(label)
+    color = COLORS.get(label.partition(" ")[0], "gray")
     ax.scatter(
         [cx],
         [cy],
         s=40,
         marker="o" if inside else "D",
-        facecolors=None if inside else "none",
-        edgecolors=None if inside else "black",
+        facecolors=color if inside else "none",
+        edgecolors=color,
         zorder=4,
         clip_on=False,
         gid=("point:" if inside else "clamped:") + label,
@@ -156,7 +166,7 @@ def _point(ax, label: str, x: float, y: float, xlim, ylim) -> None:
         text,
         (cx, cy),
         textcoords="offset points",
-        xytext=(-6 if right else 4, -10 if top else 4),
+        xytext=(-6 if right else 4, -10 if top else dy),
         ha="right" if right else "left",
         fontsize=7,
         gid="label:" + label,
@@ -173,7 +183,14 @@ def rho_axes(df: pd.DataFrame, y: str, title: str):
         ax.axhline(float(ref[y].iloc[0]), color="gray", ls="--", lw=1, gid="nonshared-ref", label="NonShared")
     for method, g in pts[pts["method"] != "nonshared"].dropna(subset=["reuse_ratio"]).groupby("method", sort=False):
         g = g.sort_values("reuse_ratio")
-        ax.plot(g["reuse_ratio"], g[y], marker="o", label=LABELS.get(method, method), gid=f"rho:{method}")
+        ax.plot(
+            g["reuse_ratio"],
+            g[y],
+            marker="o",
+            color=COLORS.get(method),
+            label=LABELS.get(method, method),
+            gid=f"rho:{method}",
+        )
         for label, vx, vy in zip(g["label"], g["reuse_ratio"], g[y]):
             suffix = label.partition(" ")[2]
             if suffix:
