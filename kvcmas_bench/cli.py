@@ -314,6 +314,137 @@ def coverage_cmd(
     err.print(f"results in {output_path}/ (coverage.csv, coverage.json)")
 
 
+@app.command("suite")
+def suite_cmd(
+    methods: str = typer.Option(
+        "all", "--methods", "--method", help="'all' or NAME[,NAME...]; NonShared is always added."
+    ),
+    workloads: str = typer.Option("mmlu", "--workloads", "--workload", help="Workloads, comma-separated."),
+    limit: int | None = typer.Option(None, help="Samples per workload (seeded subset; the same for every method)."),
+    seed: int = typer.Option(0, help="Seed of the sample subset."),
+    output_path: str = typer.Option("runs/suite", "--output-path", "-o", help="Suite directory; re-running resumes."),
+    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
+    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
+    fidelity: bool = typer.Option(False, help="Record KV error, first-token agreement and KL against dense."),
+    calib_samples: int = typer.Option(4, help="Held-out calibration samples (GraphFlow, DroidSpeak, RelayCaching)."),
+    tau: float | None = typer.Option(None, help="Gate threshold of KVCMAS/KVComm (default: per workload)."),
+    rho: float | None = typer.Option(None, help="Target reuse ratio of CacheBlend/DroidSpeak/RelayCaching."),
+    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
+    report_format: str = typer.Option("md,html", "--format", help="Report formats: md, html, csv, parquet."),
+    plots: bool = typer.Option(True, help="Draw the report figures."),
+) -> None:
+    """Run a matrix of methods x workloads (one resumable run directory per cell, the same samples for
+    every method, NonShared as the reference) and write the report (Table 1, agreement, Pareto plots)."""
+    from .console import SuiteProgress
+    from .jobs.report import console_table1
+    from .jobs.suite import SuiteOptions, run_suite
+
+    opts = SuiteOptions(
+        methods=_split(methods) or [],
+        workloads=_split(workloads) or [],
+        limit=limit,
+        seed=seed,
+        output_path=output_path,
+        model=model,
+        device=device,
+        dtype=dtype,
+        max_new_tokens=max_new_tokens,
+        final_max_new_tokens=final_max_new_tokens,
+        fidelity=fidelity,
+        calib_samples=calib_samples,
+        method_args=knob_args(method_arg, tau=tau, rho=rho),
+        report_formats=_split(report_format) or [],
+        plots=plots,
+    )
+    progress = SuiteProgress(err)
+    try:
+        res = run_suite(opts, progress=progress)
+    finally:
+        if hasattr(progress, "matrix"):
+            progress.stop()
+    if res.report is not None:
+        console_table1(res.report, out)
+        err.print(f"report in {res.report.out_dir}/ ({', '.join(p.name for p in res.report.files)}, figures/)")
+    if res.failed:
+        first, msg = next(iter(res.failed.items()))
+        raise BenchError(
+            f"{len(res.failed)} of {len(res.cells)} cells failed ({first}: {msg}); see {output_path}/suite.json"
+        )
+
+
+@app.command("report")
+def report_cmd(
+    dirs: list[str] = typer.Argument(..., help="Run, suite and serve-sweep directories."),
+    output_path: str | None = typer.Option(
+        None, "--output-path", "-o", help="Report directory (default: DIR/report for one input, else runs/report)."
+    ),
+    report_format: str = typer.Option("md,html", "--format", help="Comma-separated: md, html, csv, parquet."),
+    plots: bool = typer.Option(True, help="Draw the figures (PNG and SVG)."),
+) -> None:
+    """Table 1 per workload (accuracy, latency, TTFT, memory, rho, fidelity, agreement with NonShared),
+    Pareto plots, sweep TTFT-vs-QPS figures; Markdown, one self-contained HTML page, CSV/Parquet frames."""
+    from .jobs.report import build_report, console_table1
+
+    target = output_path or (f"{dirs[0].rstrip('/')}/report" if len(dirs) == 1 else "runs/report")
+    res = build_report(dirs, target, _split(report_format) or [], plots)
+    console_table1(res, out)
+    err.print(f"report in {target}/ ({', '.join(p.name for p in res.files)}{', figures/' if res.figures else ''})")
+
+
+@app.command("compare")
+def compare_cmd(
+    baseline: str = typer.Argument(..., help="Baseline run, suite or sweep directory."),
+    candidate: str = typer.Argument(..., help="Candidate directory of the same kind."),
+    max_accuracy_drop: str = typer.Option("0", help="Allowed accuracy drop: absolute (0.02) or relative (5%)."),
+    max_agreement_drop: str = typer.Option(
+        "0", help="Allowed drop of agreement with NonShared (answers, first tokens)."
+    ),
+    max_rho_drop: str = typer.Option("0", help="Allowed reuse-ratio drop."),
+    max_ttft_increase: str = typer.Option("10%", help="Allowed TTFT increase: seconds or relative."),
+    max_memory_increase: str = typer.Option("10%", help="Allowed memory increase: bytes (64MiB) or relative."),
+    noise: str = typer.Option("25%", help="Noise allowance on timings and measured peak memory."),
+    timings: bool = typer.Option(True, help="Check timings and peak memory (skipped anyway across hardware)."),
+    exact: bool = typer.Option(False, help="Fail on any difference of deterministic values where configs match."),
+    markdown: str | None = typer.Option(None, "--markdown", help="Write a Markdown report (for a PR comment)."),
+) -> None:
+    """Compare a candidate against a baseline: one-line verdict on stdout; exit 0 pass, 1 regression,
+    2 unusable input (missing, corrupt or incomparable: other model, samples or seed)."""
+    from pathlib import Path
+
+    from .jobs.compare import Limits, compare, parse_threshold
+    from .jobs.compare import markdown as to_markdown
+
+    lim = Limits(
+        accuracy_drop=parse_threshold("--max-accuracy-drop", max_accuracy_drop),
+        agreement_drop=parse_threshold("--max-agreement-drop", max_agreement_drop),
+        rho_drop=parse_threshold("--max-rho-drop", max_rho_drop),
+        ttft_increase=parse_threshold("--max-ttft-increase", max_ttft_increase),
+        memory_increase=parse_threshold("--max-memory-increase", max_memory_increase, byte_units=True),
+        noise=_fraction("--noise", noise),
+        timings=timings,
+        exact=exact,
+    )
+    cmp = compare(baseline, candidate, lim)
+    if markdown:
+        Path(markdown).write_text(to_markdown(cmp), encoding="utf-8")
+    from .console import print_compare
+
+    print_compare(cmp, err)
+    out.print(cmp.verdict(), soft_wrap=True, markup=False, highlight=False)
+    if cmp.regressed:
+        raise typer.Exit(1)
+
+
+def _fraction(flag: str, text: str) -> float:
+    from .jobs.compare import parse_threshold
+
+    t = parse_threshold(flag, text)
+    return t.value
+
+
 @app.command("methods")
 def list_methods(
     options: bool = typer.Option(

@@ -1,51 +1,122 @@
-"""Console tables of the jobs (rich). The full figures are in the output files; the tables show the
-key columns with units in the headers."""
+"""Console tables of the jobs (rich), readable at 80 columns.
+
+Every table is built by :func:`fitted_table`: compact layout, units in the headers or the title,
+and the least important columns dropped until the table's minimum width fits the console, so no
+cell is ever cut to an ellipsis. The full figures are in the output files (named in the caption).
+"""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
+
+from .report.columns import Column, cell
 
 
 def fmt(v, unit: str = "") -> str:
     """A table cell: ``-`` for missing values, MiB for bytes, 3 decimals for seconds."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if unit == "B":
-        return f"{v / 2**20:.1f} MiB"
-    if unit == "s":
-        return f"{v:.3f}"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    return cell(v, {"B": "MiB", "s": "s"}.get(unit, "num"))
+
+
+def _build(title: str, cols: Sequence[Column], rows: Sequence[dict], caption: str | None) -> Table:
+    t = Table(
+        title=title,
+        caption=caption,
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        title_justify="left",
+        caption_justify="left",
+    )
+    for c in cols:
+        t.add_column(c.header, justify=c.justify, overflow="fold")
+    for r in rows:
+        t.add_row(*[cell(r.get(c.key), c.kind) for c in cols])
+    return t
+
+
+def _column_ranges(console: Console, table: Table) -> list:
+    """Each column's (minimum, maximum) width with padding: minimum = its longest word."""
+    options = console.options.update_width(10_000)
+    return [table._measure_column(console, options, c) for c in table.columns]
+
+
+def min_width(console: Console, table: Table) -> int:
+    """The width below which some cell of ``table`` would be cut: every column at its longest word.
+    (``Measurement.get`` of a table is capped at the console width, so it cannot tell.)"""
+    return sum(r.minimum for r in _column_ranges(console, table)) + table._extra_width
+
+
+def _fix_widths(console: Console, table: Table, width: int) -> None:
+    """When ``table`` does not fit naturally, fix its column widths: every column at least its
+    longest word, the spare width to the columns that need it most (rich's own collapse may cut a
+    column below its longest word)."""
+    ranges = _column_ranges(console, table)
+    avail = width - table._extra_width
+    if sum(r.maximum for r in ranges) <= avail:
+        return
+    widths = [r.minimum for r in ranges]
+    for _ in range(max(0, avail - sum(widths))):
+        need = [r.maximum - w for r, w in zip(ranges, widths)]
+        i = max(range(len(widths)), key=lambda j: need[j])
+        if need[i] <= 0:
+            break
+        widths[i] += 1
+    for i, (col, w) in enumerate(zip(table.columns, widths)):
+        col.width = max(1, w - table._get_padding_width(i))
+
+
+def fitted_table(
+    console: Console,
+    title: str,
+    columns: Sequence[Column],
+    rows: Sequence[dict],
+    caption: str | None = None,
+    more: str | None = None,
+) -> Table:
+    """A table of ``rows`` (dicts keyed by the columns' keys) that fits ``console.width``: columns of
+    the highest priority number are dropped first (priority 0 never). ``more``: where the dropped
+    columns can be found, added to the caption when some were dropped."""
+    keep = list(columns)
+    while True:
+        note = caption
+        dropped = [c.header for c in columns if c not in keep]
+        if dropped and more:
+            note = ((caption + "\n") if caption else "") + f"{len(dropped)} more columns in {more}"
+        t = _build(title, keep, rows, note)
+        droppable = [c for c in keep if c.priority > 0]
+        if min_width(console, t) <= console.width or not droppable:
+            _fix_widths(console, t, console.width)
+            return t
+        worst = max(c.priority for c in droppable)
+        keep.remove([c for c in droppable if c.priority == worst][-1])
+
+
+RUN_COLUMNS = (
+    Column("n", "n", "int", 3),
+    Column("accuracy", "accuracy", "acc", 0),
+    Column("latency_s", "latency (s)", "s", 0),
+    Column("ttft_s", "TTFT (s)", "s", 0),
+    Column("ttft_s_p90", "TTFT p90 (s)", "s", 2),
+    Column("peak_mem_bytes", "peak mem (MiB)", "MiB", 1),
+    Column("kv_state_peak_bytes", "KV+state peak (MiB)", "MiB", 2),
+    Column("reuse_ratio", "rho", "rho", 0),
+)
 
 
 def print_run_summary(summary: dict, console: Console) -> None:
-    t = Table(title=f"{summary['method']} on {summary['workload']} ({summary.get('model')})")
-    for col in ("n", "accuracy", "latency (s)", "TTFT (s)", "TTFT p90 (s)", "peak mem", "KV+state peak", "rho"):
-        t.add_column(col, justify="right")
-    t.add_row(
-        fmt(summary.get("n")),
-        fmt(summary.get("accuracy")),
-        fmt(summary.get("latency_s")),
-        fmt(summary.get("ttft_s")),
-        fmt(summary.get("ttft_s_p90")),
-        fmt(summary.get("peak_mem_bytes"), "B"),
-        fmt(summary.get("kv_state_peak_bytes"), "B"),
-        fmt(summary.get("reuse_ratio")),
-    )
-    console.print(t)
-    acc = summary.get("accounting") or {}
-    line = accounting_line(acc)
+    title = f"{summary['method']} on {summary['workload']} ({summary.get('model')}, {summary.get('device', '?')})"
+    console.print(fitted_table(console, title, RUN_COLUMNS, [summary], more="summary.json"))
+    line = accounting_line(summary.get("accounting") or {})
     if line:
         console.print(line)
     if "fidelity" in summary:
         f = summary["fidelity"]
         console.print(
-            f"fidelity: top-1 agreement {fmt(f['top1_agree'])}, first-token KL "
-            f"{fmt(f['first_token_kl'])}, relative KV error {fmt(f['kv_rel_error'])} "
+            f"fidelity: top-1 agreement {fmt(f.get('top1_agree'))}, first-token KL "
+            f"{fmt(f.get('first_token_kl'))}, relative KV error {fmt(f.get('kv_rel_error'))} "
             f"(all {f.get('segments', '?')} shared segments)"
         )
         per = [fmt(a.get("kv_rel_error")) for a in f.get("per_agent", [])]
@@ -76,39 +147,150 @@ def accounting_line(acc: dict) -> str:
     return ("method: " + "; ".join(parts)) if parts else ""
 
 
-def print_sweep_table(summary: dict, console: Console) -> None:
-    t = Table(
-        title=f"serve-sweep ({summary.get('model')}; engine {summary.get('engine')}; "
-        "QPS = trajectories/s, 0 = single stream)"
+SWEEP_COLUMNS = (
+    Column("method", "method", "text", 0, "left"),
+    Column("shared_tokens", "shared tokens", "int", 1),
+    Column("qps", "QPS", "num", 0),
+    Column("util_cell", "util", "raw", 0),
+    Column("ttft_p50_s", "TTFT p50", "s", 0),
+    Column("ttft_p90_s", "p90", "s", 0),
+    Column("ttft_p99_s", "p99", "s", 3),
+    Column("ttft_mean_s", "mean", "s", 6),
+    Column("throughput_tok_s", "tok/s", "num", 5),
+    Column("peak_mem_bytes", "peak MiB", "MiB", 4),
+    Column("kv_state_peak_bytes", "KV+state MiB", "MiB", 6),
+    Column("reuse_ratio", "rho", "rho", 2),
+)
+
+
+def saturation_note(summary: dict) -> str | None:
+    """The caption line on saturated points and the QPS NonShared sustains (None when none)."""
+    sat = [r for r in summary["rows"] if r.get("saturated")]
+    cap = summary.get("capacity") or {}
+    if not sat:
+        return None
+    worst = max(sat, key=lambda r: r["utilization"])
+    text = (
+        f"! saturated: {len(sat)} of {len(summary['rows'])} points offer load >= 1 (up to "
+        f"{worst['utilization']:.1f}x what the server serves); the queue grows without bound and their "
+        "percentiles grow with the trace length."
     )
-    for col in (
-        "method",
-        "shared",
-        "qps",
-        "util",
-        "TTFT p50 (s)",
-        "p90",
-        "p99",
-        "mean",
-        "tok/s",
-        "peak mem",
-        "KV+state",
-        "rho",
-    ):
-        t.add_column(col, justify="right" if col != "method" else "left", no_wrap=col == "method")
+    for shared, c in cap.items():
+        if c.get("nonshared_capacity_qps") is not None:
+            text += f" NonShared sustains < {c['nonshared_capacity_qps']:.3g} QPS at {shared} shared tokens"
+            if c.get("nonshared_max_stable_qps") is not None:
+                text += f" (highest stable QPS swept: {c['nonshared_max_stable_qps']:g})"
+            text += "."
+    return text
+
+
+def print_sweep_table(summary: dict, console: Console) -> None:
+    rows = []
     for r in summary["rows"]:
-        t.add_row(
-            r["method"],
-            str(r["shared_tokens"]),
-            fmt(r["qps"]),
-            fmt(r["utilization"]),
-            fmt(r["ttft_p50_s"], "s"),
-            fmt(r["ttft_p90_s"], "s"),
-            fmt(r["ttft_p99_s"], "s"),
-            fmt(r["ttft_mean_s"], "s"),
-            fmt(r["throughput_tok_s"]),
-            fmt(r["peak_mem_bytes"], "B"),
-            fmt(r["kv_state_peak_bytes"], "B"),
-            fmt(r["reuse_ratio"]),
+        u = f"{r['utilization']:.2f}" if r.get("utilization") is not None else "-"
+        rows.append({**r, "util_cell": f"[bold red]{u}![/]" if r.get("saturated") else u})
+    title = (
+        f"serve-sweep, TTFT in s under load ({summary.get('model')}; {summary.get('device', '?')}; engine "
+        f"{summary.get('engine')}; QPS = trajectory starts/s, 0 = single stream)"
+    )
+    console.print(fitted_table(console, title, SWEEP_COLUMNS, rows, saturation_note(summary), "summary.json"))
+
+
+class SuiteProgress:
+    """Rich progress over a whole suite: one bar for the matrix (samples of every cell, with the
+    count of finished cells) and one per cell (samples, running accuracy)."""
+
+    def __init__(self, console: Console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
         )
-    console.print(t)
+        self.cells_done = 0
+        self.n_cells = 0
+
+    def begin(self, cells, done: set[str]) -> None:
+        self.n_cells, self.cells_done = len(cells), len(done)
+        self.bar.start()
+        self.matrix = self.bar.add_task(
+            "suite", total=sum(c.n for c in cells), completed=sum(c.n for c in cells if c.name in done), info=""
+        )
+        self._info()
+        for c in cells:
+            if c.name in done:
+                self.bar.add_task(c.name, total=c.n, completed=c.n, info="done earlier")
+
+    def _info(self) -> None:
+        self.bar.update(self.matrix, info=f"{self.cells_done}/{self.n_cells} cells")
+
+    def cell(self, cell) -> _CellProgress:
+        return _CellProgress(self, self.bar.add_task(cell.name, total=cell.n, info=""))
+
+    def end_cell(self, cell, status: str, detail) -> None:
+        self.cells_done += 1
+        self._info()
+        if status == "failed":
+            self.bar.console.print(f"[red]{cell.name} failed:[/] {detail}")
+
+    def stop(self) -> None:
+        self.bar.stop()
+
+
+class _CellProgress:
+    """What the ``run`` job reports to (``start``, ``advance``), forwarded to the suite's bars."""
+
+    def __init__(self, suite: SuiteProgress, task):
+        self.suite, self.task = suite, task
+        self.correct = self.n = 0
+
+    def start(self, total: int, done: int) -> None:
+        self.suite.bar.update(self.task, total=total, completed=done)
+        self.suite.bar.advance(self.suite.matrix, done)
+
+    def advance(self, rec: dict) -> None:
+        self.n += 1
+        self.correct += int(rec["correct"])
+        self.suite.bar.update(self.task, advance=1, info=f"acc {self.correct / self.n:.3f}")
+        self.suite.bar.advance(self.suite.matrix, 1)
+
+
+COMPARE_COLUMNS = (
+    Column("scope", "scope", "text", 0, "left"),
+    Column("metric", "metric", "text", 0, "left"),
+    Column("baseline", "baseline", "text", 0),
+    Column("candidate", "candidate", "text", 0),
+    Column("change", "change", "text", 1),
+    Column("allowed", "allowed", "text", 2),
+)
+
+
+def print_compare(cmp, console: Console) -> None:
+    """The failed checks of a comparison (units in the cells), then its differences and notes."""
+    rows = []
+    for c in cmp.failures:
+        unit = {"s": " s", "MiB": " MiB"}.get(c.kind, "")
+        rows.append(
+            {
+                "scope": c.scope,
+                "metric": c.metric,
+                "baseline": cell(c.baseline, c.kind) + unit,
+                "candidate": cell(c.candidate, c.kind) + unit,
+                "change": c.change,
+                "allowed": c.allowed,
+            }
+        )
+    if rows:
+        console.print(fitted_table(console, "regressions", COMPARE_COLUMNS, rows, more="the --markdown report"))
+    label = "deterministic differences" + (" (regressions: --exact)" if cmp.exact else " (not failing without --exact)")
+    for title, items in ((label, cmp.differences), ("notes", cmp.notes)):
+        if items:
+            console.print(f"[bold]{title}:[/]")
+            for item in items[:10]:
+                console.print(f"  - {item}", markup=False, highlight=False)
+            if len(items) > 10:
+                console.print(f"  ... and {len(items) - 10} more (see the --markdown report)")

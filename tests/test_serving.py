@@ -280,6 +280,27 @@ def test_small_sweep_writes_summary_requests_and_plots(tmp_path, tiny_lm):
     assert replay["rows"][0]["n_trajectories"] == 2
 
 
+def test_saturated_points_are_flagged_with_the_qps_nonshared_sustains(tmp_path, tiny_lm):
+    from rich.console import Console
+
+    from kvcmas_bench.jobs.sweep import evaluate_service
+
+    kw = dict(model=tiny_lm, output_tokens=2, device="cpu", texts=TEXTS, console=quiet(), progress=lambda m: None)
+    serve_sweep(["nonshared", "fullshared"], [0], [24], 2, str(tmp_path / "s"), plots=False, **kw)
+    con = Console(width=80, file=io.StringIO(), record=True)
+    s = evaluate_service(str(tmp_path / "s"), [0, 1e-3, 1e4], plots=True, console=con)
+    ns = {r["qps"]: r for r in s["rows"] if r["method"] == "nonshared"}
+    assert ns[1e4]["saturated"] and not ns[1e-3]["saturated"] and not ns[0.0]["saturated"]
+    cap = s["capacity"][24]
+    assert cap["nonshared_capacity_qps"] == pytest.approx(1 / ns[0.0]["trajectory_service_mean_s"])
+    assert cap["nonshared_max_stable_qps"] == 1e-3
+    assert {(x["method"], x["qps"]) for x in s["saturated"]} == {("nonshared", 1e4), ("fullshared", 1e4)}
+    text = con.export_text()
+    assert "…" not in text and "saturated" in text and "NonShared sustains <" in text
+    assert text.count("!") >= 2  # the two saturated rows are marked in the util column
+    assert (tmp_path / "s" / "ttft_p50.svg").exists()
+
+
 def test_chained_plot_and_input_errors(tmp_path, tiny_lm):
     kw = dict(model=tiny_lm, output_tokens=2, device="cpu", texts=TEXTS, console=quiet(), progress=lambda m: None)
     s = serve_sweep(["kvcmas", "kvcmas-nonchained"], [0, 1.0], [24], 1, str(tmp_path / "c"), **kw)

@@ -34,7 +34,7 @@ from ..results.records import read_jsonl_objects, write_json
 from ..results.request import RequestRecord
 from ..serving.arrivals import arrival_times, check_rate
 from ..serving.backends import Backend, get_backend, replay_all
-from ..serving.metrics import DEFINITIONS, QPS_UNIT, sweep_row
+from ..serving.metrics import DEFINITIONS, QPS_UNIT, capacity, sweep_row
 from ..serving.traces import DEFAULT_ACCUMULATED_CONTEXT, N_AGENTS, Trace, build_traces, dump_traces, load_traces
 
 # settings that change measured service times: a resumed output directory must match them
@@ -388,12 +388,19 @@ def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, con
         "accumulated": config.get("accumulated"),
         "definitions": DEFINITIONS,
         "rows": rows,
+        # saturated points (utilization >= 1: unstable queue) and the QPS NonShared can sustain
+        "saturated": [
+            {k: r[k] for k in ("method", "shared_tokens", "qps", "utilization")} for r in rows if r["saturated"]
+        ],
+        "capacity": capacity(rows),
         "plots": [],
     }
     if plots:
-        from ..serving.plots import plot_all
+        from ..serving.plots import plot_all, sweep_note
 
-        summary["plots"] = [p.name for p in plot_all(rows, out_dir, bool(config.get("accumulated")))]
+        summary["plots"] = [
+            p.name for p in plot_all(rows, out_dir, bool(config.get("accumulated")), sweep_note(summary))
+        ]
     write_json(out_dir / "summary.json", summary)
     if console is not None:
         print_sweep_table(summary, console)

@@ -101,3 +101,22 @@ def sweep_row(method: str, shared: int, qps: float, served: Sequence[RequestReco
         **served_metrics(served, qps),
         **load_metrics(served),
     }
+
+
+def capacity(rows: Sequence[dict], reference: str = "nonshared") -> dict:
+    """Per shared length: the QPS the reference method (NonShared) can sustain.
+
+    ``nonshared_capacity_qps`` = 1 / its mean trajectory service time (the rate at which the
+    utilization reaches 1 on a one-request-at-a-time server); ``nonshared_max_stable_qps``: the
+    highest swept QPS > 0 at which it stayed below saturation (None when none did).
+    """
+    out: dict = {}
+    for r in rows:
+        if r["method"] != reference:
+            continue
+        c = out.setdefault(r["shared_tokens"], {"nonshared_capacity_qps": None, "nonshared_max_stable_qps": None})
+        if r.get("trajectory_service_mean_s"):
+            c["nonshared_capacity_qps"] = 1.0 / r["trajectory_service_mean_s"]
+        if r["qps"] > 0 and not r.get("saturated"):
+            c["nonshared_max_stable_qps"] = max(r["qps"], c["nonshared_max_stable_qps"] or 0.0)
+    return out

@@ -26,6 +26,17 @@ LABELS = {
 CHAINED_LABELS = {"kvcmas": "Chained", "kvcmas-nonchained": "Non-chained"}
 
 
+def sweep_note(summary: dict) -> str:
+    """Model, device and the QPS NonShared sustains, for the figures' footnote."""
+    note = f"{summary.get('model')} on {summary.get('device')}"
+    caps = [
+        f"{c['nonshared_capacity_qps']:.3g} QPS at {s} shared tokens"
+        for s, c in (summary.get("capacity") or {}).items()
+        if c.get("nonshared_capacity_qps") is not None
+    ]
+    return note + ("; NonShared sustains < " + ", ".join(caps) if caps else "")
+
+
 def _shared_label(shared: int, accumulated: bool) -> str:
     k = f"{shared / 1024:g}K" if shared % 128 == 0 and shared >= 1024 else str(shared)
     return f"{k} accumulated output tokens" if accumulated else f"{k} shared tokens"
@@ -39,16 +50,19 @@ def plot_ttft(
     labels: dict | None = None,
     title: str | None = None,
     accumulated: bool = False,
+    note: str | None = None,
 ) -> Path:
-    """One panel per shared length: TTFT ``stat`` (p50/p90/p99/mean) vs QPS, one line per method."""
+    """One panel per shared length: TTFT ``stat`` (p50/p90/p99/mean) vs QPS, one line per method;
+    saturated points (utilization >= 1) ringed in red. Saved as ``path`` and as SVG next to it."""
     labels = {**LABELS, **(labels or {})}
     key = f"ttft_{stat}_s"
     methods = list(methods) if methods is not None else list(dict.fromkeys(r["method"] for r in rows))
     shared = sorted({r["shared_tokens"] for r in rows})
     qps = sorted({r["qps"] for r in rows})
     pos = {q: i for i, q in enumerate(qps)}  # categorical x axis, as in the paper
-    ncol = min(len(methods), 4)
-    rows_legend = -(-len(methods) // ncol) if methods else 0
+    n_legend = len(methods) + any(r.get("saturated") for r in rows)
+    ncol = min(n_legend, 4)
+    rows_legend = -(-n_legend // ncol) if n_legend else 0
     top = 0.93 - 0.06 * rows_legend
     fig, axes = plt.subplots(
         1, len(shared), figsize=(max(7.0, 4.2 * len(shared)), 3.4 + 0.3 * rows_legend), squeeze=False
@@ -62,36 +76,55 @@ def plot_ttft(
             )
             if pts:
                 ax.plot([pos[q] for q, _ in pts], [v for _, v in pts], marker="o", label=labels.get(m, m))
+        _ring_saturated(ax, [r for r in rows if r["shared_tokens"] == s and r["method"] in methods], key, pos)
         ax.set_xticks(range(len(qps)))
         ax.set_xticklabels([f"{q:g}" for q in qps])
         ax.set_xlabel("QPS (trajectories/s; 0 = single stream)")
         ax.set_ylabel(f"{stat} TTFT (s)")
         ax.set_title(_shared_label(s, accumulated))
         ax.grid(alpha=0.3)
-    handles, names = axes[0][0].get_legend_handles_labels()
+    legend: dict = {}
+    for ax in axes[0]:
+        for h, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, h)
+    handles, names = list(legend.values()), list(legend)
     if handles:
         fig.legend(handles, names, loc="upper center", ncol=ncol, frameon=False)
-    fig.text(
-        0.5,
-        0.01,
-        title or f"{stat} TTFT under load (one-request-at-a-time FCFS server)",
-        ha="center",
-        va="bottom",
-        fontsize=9,
-    )
-    fig.tight_layout(rect=(0, 0.05, 1, top))
+    footer = title or f"{stat} TTFT under load (one-request-at-a-time FCFS server)"
+    fig.text(0.5, 0.01, footer + (f"\n{note}" if note else ""), ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.09 if note else 0.05, 1, top))
     fig.savefig(path, dpi=120)
+    fig.savefig(Path(path).with_suffix(".svg"))
     plt.close(fig)
     return path
 
 
-def plot_all(rows: Sequence[dict], out_dir: Path, accumulated: bool = False) -> list[Path]:
+def _ring_saturated(ax, rows: Sequence[dict], key: str, pos: dict) -> None:
+    """Red rings on the points whose offered load is >= 1 (an unstable queue), with a legend entry."""
+    sat = [(pos[r["qps"]], r[key]) for r in rows if r.get("saturated") and r.get(key) is not None]
+    if sat:
+        ax.scatter(
+            [x for x, _ in sat],
+            [y for _, y in sat],
+            s=160,
+            facecolors="none",
+            edgecolors="red",
+            linewidths=1.5,
+            zorder=5,
+            gid="saturated",
+            label="saturated (utilization >= 1)",
+        )
+
+
+def plot_all(rows: Sequence[dict], out_dir: Path, accumulated: bool = False, note: str | None = None) -> list[Path]:
     """``ttft_p50.png``, ``ttft_p90.png``; plus ``chained_ttft_p50/p90.png`` when both KVCMAS
-    variants were run."""
+    variants were run (each also as ``.svg``). ``note``: a footnote line (model, device, capacity)."""
     out_dir = Path(out_dir)
     if not rows:
         return []
-    paths = [plot_ttft(rows, out_dir / f"ttft_{st}.png", st, accumulated=accumulated) for st in ("p50", "p90")]
+    paths = [
+        plot_ttft(rows, out_dir / f"ttft_{st}.png", st, accumulated=accumulated, note=note) for st in ("p50", "p90")
+    ]
     present = {r["method"] for r in rows}
     if {"kvcmas", "kvcmas-nonchained"} <= present:
         sub = [r for r in rows if r["method"] in CHAINED_LABELS]
@@ -105,6 +138,7 @@ def plot_all(rows: Sequence[dict], out_dir: Path, accumulated: bool = False) -> 
                     labels=CHAINED_LABELS,
                     title=f"{st} TTFT, chained vs non-chained KVCMAS",
                     accumulated=accumulated,
+                    note=note,
                 )
             )
     return paths

@@ -1,0 +1,529 @@
+"""The ``compare`` job: a candidate run, suite or sweep directory against a baseline, for CI.
+
+Runs are matched by workload and method (by method options too when a side has several runs of a
+method). Inputs are **unusable** (exit 2) when a directory is missing or corrupt, when a
+baseline run has no counterpart, or when a pair is incomparable: a different model, seed,
+sample set or workload setting (token budgets, topology, dtype, ...); sweeps: a different model,
+seed or traces.
+
+Checks per matched pair (exit 1 when one fails):
+
+- deterministic metrics (accuracy, agreement with NonShared, first-token agreement, rho, method
+  state bytes) against thresholds, with no noise allowance: ``--max-accuracy-drop``,
+  ``--max-agreement-drop``, ``--max-rho-drop``, ``--max-memory-increase`` (default: no drop / 10%);
+- timings (TTFT; sweeps: TTFT p50/p90) and the measured peak memory as ratios candidate/baseline
+  with a noise allowance: the candidate may reach ``(baseline + allowed) * (1 + noise)``; skipped
+  when the hardware differs (device, GPU, CPU count) or with ``--no-timings``.
+
+Where the configs also match (method options, fidelity, device, calibration samples), the
+deterministic records are compared value by value (predictions, first tokens, outputs, token
+counts, segment statuses; fidelity floats within 1e-3 relative): the differences are listed, and
+with ``--exact`` any difference is a regression. Greedy decoding is deterministic on one machine
+and torch build; on another CPU a near-tie can flip a token, which ``--exact`` reports plainly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from ..errors import BenchError
+from ..report.columns import cell
+from ..report.tables import table1
+from ..results.frames import SETTING_KEYS, Results, Run, Sweep, dir_kind, load_dirs, load_sweep, read_jsonl
+
+#: config keys that must also match for the value-by-value (exact) comparison of a run pair
+EXACT_KEYS = ("method_config", "fidelity", "device", "target_reuse", "calibration_samples")
+EXACT_SWEEP_KEYS = ("method_configs", "dtype", "device", "method_args", "ignore_eos", "warmup")
+INCOMPARABLE_SWEEP_KEYS = ("model", "seed", "traces_sha256", "num_trajectories", "burstiness")
+#: request fields that greedy decoding determines exactly
+EXACT_FIELDS = (
+    "first_token_id",
+    "output",
+    "output_tokens",
+    "prompt_tokens",
+    "prefilled_tokens",
+    "reused_tokens",
+    "eligible_tokens",
+    "reference_tokens",
+    "recomputed_token_layers",
+    "seg_statuses",
+    "top1_agree",
+    "kv_bytes",
+    "shared_store_bytes",
+    "method_state_bytes",
+)
+FLOAT_FIELDS = ("kv_rel_error", "first_token_kl")
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6, "gb": 1e9}
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """An allowed change: ``value`` absolute (in the metric's unit) or relative to the baseline."""
+
+    value: float
+    relative: bool = False
+
+    def allowed(self, base: float) -> float:
+        return self.value * abs(base) if self.relative else self.value
+
+    def __str__(self) -> str:
+        return f"{self.value * 100:g}%" if self.relative else f"{self.value:g}"
+
+
+def parse_threshold(flag: str, text: str, byte_units: bool = False) -> Threshold:
+    """``5%`` (relative) or a number (absolute; with ``byte_units`` also ``64MiB``, ``1GB``)."""
+    t = str(text).strip().lower()
+    rel = t.endswith("%")
+    m = re.fullmatch(r"([0-9.eE+-]+)\s*([a-z]*)", t[:-1] if rel else t)
+    try:
+        if m is None or (m.group(2) and (rel or not byte_units or m.group(2) not in _UNITS)):
+            raise ValueError
+        v = float(m.group(1)) * (1 if rel else _UNITS[m.group(2)])
+    except ValueError:
+        unit = ", or bytes such as 64MiB" if byte_units else ""
+        raise BenchError(f"{flag} takes a number or a percentage such as 5%{unit}; got {text!r}") from None
+    if math.isnan(v) or v < 0:
+        raise BenchError(f"{flag} must not be negative, got {text!r}")
+    return Threshold(v / 100 if rel else v, rel)
+
+
+@dataclass
+class Limits:
+    accuracy_drop: Threshold = Threshold(0.0)
+    agreement_drop: Threshold = Threshold(0.0)
+    rho_drop: Threshold = Threshold(0.0)
+    ttft_increase: Threshold = Threshold(0.10, True)
+    memory_increase: Threshold = Threshold(0.10, True)
+    #: relative noise allowance of timings and measured peak memory
+    noise: float = 0.25
+    timings: bool = True
+    exact: bool = False
+
+
+@dataclass
+class Check:
+    scope: str
+    metric: str
+    baseline: float | None
+    candidate: float | None
+    allowed: str
+    status: str  # "ok", "FAIL" or "skipped"
+    kind: str = "acc"  # cell format of the values
+    note: str = ""
+
+    @property
+    def change(self) -> str:
+        if self.baseline is None or self.candidate is None:
+            return "-"
+        if self.kind in ("s", "MiB") and self.baseline:
+            return f"x{self.candidate / self.baseline:.3g}"
+        d = self.candidate - self.baseline
+        return f"{d:+.3g}" if self.kind != "MiB" else f"{d / 2**20:+.1f} MiB"
+
+    def line(self) -> str:
+        unit = {"s": " s", "MiB": " MiB"}.get(self.kind, "")
+        b, c = cell(self.baseline, self.kind), cell(self.candidate, self.kind)
+        return f"{self.scope} {self.metric} {b} -> {c}{unit} ({self.change}; allowed: {self.allowed})"
+
+
+@dataclass
+class Comparison:
+    baseline: str
+    candidate: str
+    kind: str
+    pairs: int = 0
+    checks: list[Check] = field(default_factory=list)
+    differences: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    exact: bool = False
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "FAIL"]
+
+    @property
+    def regressed(self) -> bool:
+        return bool(self.failures) or (self.exact and bool(self.differences))
+
+    def verdict(self) -> str:
+        """One line: PASS/FAIL, what failed, and what was compared."""
+        what = f"({self.pairs} {self.kind} pairs; baseline {self.baseline}, candidate {self.candidate})"
+        if not self.regressed:
+            same = "deterministic values identical" if not self.differences else "deterministic values differ"
+            checked = sum(c.status == "ok" for c in self.checks)
+            return f"PASS: {checked} checks within limits, {same} {what}"
+        items = [c.line() for c in self.failures]
+        counts = [f"{len(self.failures)} failed check{'s' if len(self.failures) != 1 else ''}"] if self.failures else []
+        if self.exact and self.differences:
+            items.append(f"first deterministic difference: {self.differences[0]}")
+            counts.append(
+                f"{len(self.differences)} deterministic difference{'s' if len(self.differences) != 1 else ''}"
+            )
+        shown = "; ".join(items[:3]) + (f"; and {len(items) - 3} more" if len(items) > 3 else "")
+        return f"FAIL ({', '.join(counts)}): {shown} {what}"
+
+
+# ---- checks ---------------------------------------------------------------------------------------
+def _num(v) -> float | None:
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+
+
+def drop_check(scope: str, metric: str, b, c, thr: Threshold, kind: str = "acc") -> Check:
+    """Fails when the candidate is lower than the baseline by more than ``thr`` (no noise)."""
+    b, c = _num(b), _num(c)
+    if b is None or c is None:
+        return Check(scope, metric, b, c, f"drop <= {thr}", "skipped", kind, "missing on one side")
+    ok = b - c <= thr.allowed(b) + 1e-12
+    return Check(scope, metric, b, c, f"drop <= {thr}", "ok" if ok else "FAIL", kind)
+
+
+def increase_check(scope: str, metric: str, b, c, thr: Threshold, noise: float, kind: str) -> Check:
+    """Fails when the candidate exceeds ``(baseline + allowed) * (1 + noise)``."""
+    b, c = _num(b), _num(c)
+    text = f"+{thr}" + (f" (+{noise * 100:g}% noise)" if noise else "")
+    if b is None or c is None:
+        return Check(scope, metric, b, c, text, "skipped", kind, "missing on one side")
+    ok = c <= (b + thr.allowed(b)) * (1 + noise) + 1e-12
+    return Check(scope, metric, b, c, text, "ok" if ok else "FAIL", kind)
+
+
+def hardware(config: dict) -> tuple:
+    hw = config.get("hardware") or {}
+    return (config.get("device"), hw.get("gpu"), hw.get("cpu_count"))
+
+
+def run_checks(scope: str, b: dict, c: dict, lim: Limits, timings: bool) -> list[Check]:
+    """The threshold checks of one matched run pair (``b``, ``c``: their Table 1 rows)."""
+    out = [
+        drop_check(scope, "accuracy", b.get("accuracy"), c.get("accuracy"), lim.accuracy_drop),
+        drop_check(scope, "rho", b.get("reuse_ratio"), c.get("reuse_ratio"), lim.rho_drop),
+        increase_check(
+            scope,
+            "method state",
+            b.get("method_state_bytes"),
+            c.get("method_state_bytes"),
+            lim.memory_increase,
+            0,
+            "MiB",
+        ),
+    ]
+    for key, name in (("answer_agreement", "agreement"), ("first_token_agreement", "first-token agreement")):
+        if _num(b.get(key)) is not None and b.get("method") != "nonshared":  # NonShared: 1 by construction
+            out.append(drop_check(scope, name, b.get(key), c.get(key), lim.agreement_drop))
+    if timings:
+        out.append(increase_check(scope, "TTFT", b.get("ttft_s"), c.get("ttft_s"), lim.ttft_increase, lim.noise, "s"))
+        out.append(
+            increase_check(
+                scope,
+                "peak mem",
+                b.get("peak_mem_bytes"),
+                c.get("peak_mem_bytes"),
+                lim.memory_increase,
+                lim.noise,
+                "MiB",
+            )
+        )
+    return out
+
+
+# ---- runs ----------------------------------------------------------------------------------------
+def match_runs(base: list[Run], cand: list[Run]) -> list[tuple[Run, Run]]:
+    """Baseline runs paired with candidate runs (workload, method; method options when a side has
+    several runs of a method); a baseline run without a counterpart is an error."""
+    pairs = []
+    for b in base:
+        same = [c for c in cand if (c.workload, c.method) == (b.workload, b.method)]
+        twins = [r for r in base if (r.workload, r.method) == (b.workload, b.method)]
+        if len(same) != 1 or len(twins) != 1:
+            same = [c for c in same if c.config.get("method_config") == b.config.get("method_config")]
+        if len(same) != 1:
+            what = "no run" if not same else "several runs"
+            raise BenchError(f"incomparable: the candidate has {what} of {b.workload}/{b.label} (baseline {b.path})")
+        pairs.append((b, same[0]))
+    return pairs
+
+
+def check_comparable(b: Run, c: Run) -> None:
+    """Different model, seed, samples or workload settings: one plain line, exit 2."""
+    for key in ("model", "seed", *[k for k in SETTING_KEYS if k not in ("model", "seed")]):
+        if b.config.get(key) != c.config.get(key):
+            raise BenchError(
+                f"incomparable: {b.workload}/{b.label} was run with a different {key} "
+                f"(baseline {b.config.get(key)!r}, candidate {c.config.get(key)!r})"
+            )
+    if b.sample_ids != c.sample_ids:
+        common = len(b.sample_ids & c.sample_ids)
+        raise BenchError(
+            f"incomparable: {b.workload}/{b.label} evaluated different samples (baseline {len(b.sample_ids)}, "
+            f"candidate {len(c.sample_ids)}, {common} in common)"
+        )
+
+
+def _load_runs(path: str, side: str) -> Results:
+    res = load_dirs([path])
+    if not res.runs:
+        raise BenchError(f"the {side} {path} holds no finished runs")
+    return res
+
+
+def compare_runs(base_dir: str, cand_dir: str, lim: Limits) -> Comparison:
+    base, cand = _load_runs(base_dir, "baseline"), _load_runs(cand_dir, "candidate")
+    pairs = match_runs(base.runs, cand.runs)
+    for b, c in pairs:
+        check_comparable(b, c)
+    tb, tc = table1(base).set_index("run_id"), table1(cand).set_index("run_id")
+    cmp = Comparison(base_dir, cand_dir, "run", len(pairs), exact=lim.exact)
+    extra = {c.run_id for c in cand.runs} - {c.run_id for _, c in pairs}
+    if extra:
+        cmp.notes.append(f"candidate runs without a baseline (not compared): {', '.join(sorted(extra))}")
+    for b, c in pairs:
+        scope = f"{b.workload}/{b.label}"
+        same_hw = hardware(b.config) == hardware(c.config)
+        cmp.checks += run_checks(
+            scope, tb.loc[b.run_id].to_dict(), tc.loc[c.run_id].to_dict(), lim, lim.timings and same_hw
+        )
+        if lim.timings and not same_hw:
+            cmp.notes.append(
+                f"{scope}: timings not compared, hardware differs ({hardware(b.config)} vs {hardware(c.config)})"
+            )
+        diff = [k for k in EXACT_KEYS if b.config.get(k) != c.config.get(k)]
+        if diff:
+            cmp.notes.append(f"{scope}: configs differ in {', '.join(diff)}: thresholds only, no exact comparison")
+        else:
+            cmp.differences += run_differences(scope, b, c)
+        _version_note(cmp, scope, b.config, c.config)
+    return cmp
+
+
+def _version_note(cmp: Comparison, scope: str, b: dict, c: dict) -> None:
+    vb, vc = b.get("versions") or {}, c.get("versions") or {}
+    diff = [f"{k} {vb.get(k)} vs {vc.get(k)}" for k in ("torch", "transformers") if vb.get(k) != vc.get(k)]
+    if diff:
+        cmp.notes.append(f"{scope}: package versions differ ({', '.join(diff)})")
+
+
+def _differ(a, b) -> bool:
+    if a is None or b is None or (isinstance(a, float) and math.isnan(a)) or (isinstance(b, float) and math.isnan(b)):
+        return not (_num_or_none(a) is None and _num_or_none(b) is None)
+    return a != b
+
+
+def _num_or_none(v):
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+def field_differences(scope: str, m: pd.DataFrame, keys: list[str], fields, what: str, tol: float = 0) -> list[str]:
+    """One line per field of ``fields`` that differs between ``<f>_b`` and ``<f>_c`` in ``m``."""
+    out = []
+    for f in fields:
+        if f"{f}_b" not in m or f"{f}_c" not in m:
+            continue
+        if tol:
+            bad = [
+                i
+                for i, (x, y) in enumerate(zip(m[f"{f}_b"], m[f"{f}_c"]))
+                if _differ(x, y)
+                and not (x is not None and y is not None and math.isclose(x, y, rel_tol=tol, abs_tol=1e-6))
+            ]
+        else:
+            bad = [i for i, (x, y) in enumerate(zip(m[f"{f}_b"], m[f"{f}_c"])) if _differ(x, y)]
+        if bad:
+            row = m.iloc[bad[0]]
+            where = " ".join(f"{k} {row[k]}" for k in keys)
+            out.append(
+                f"{scope}: {f} differs in {len(bad)} of {len(m)} {what} (first: {where}: "
+                f"{_show(row[f'{f}_b'])} -> {_show(row[f'{f}_c'])})"
+            )
+    return out
+
+
+def _show(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def run_differences(scope: str, b: Run, c: Run) -> list[str]:
+    """Value-by-value differences of the deterministic records of a run pair."""
+    s = b.samples.merge(c.samples, on="sample_id", suffixes=("_b", "_c"))
+    out = field_differences(scope, s, ["sample_id"], ("prediction", "correct"), "samples")
+    keys = ["sample_id", "step"]
+    if b.requests.empty or c.requests.empty:
+        return out
+    r = b.requests.merge(c.requests, on=keys, suffixes=("_b", "_c"), how="outer", indicator=True)
+    unmatched = int((r["_merge"] != "both").sum())
+    if unmatched:
+        out.append(f"{scope}: {unmatched} requests present on one side only")
+    r = r[r["_merge"] == "both"]
+    out += field_differences(scope, r, keys, EXACT_FIELDS, "requests")
+    out += field_differences(scope, r, keys, FLOAT_FIELDS, "requests (rel. tol. 1e-3)", tol=1e-3)
+    return out
+
+
+# ---- sweeps --------------------------------------------------------------------------------------
+def compare_sweeps(base_dir: str, cand_dir: str, lim: Limits) -> Comparison:
+    b, c = load_sweep(base_dir), load_sweep(cand_dir)
+    for key in INCOMPARABLE_SWEEP_KEYS:
+        if b.config.get(key) != c.config.get(key):
+            what = "traces" if key == "traces_sha256" else key
+            raise BenchError(
+                f"incomparable: the sweeps differ in {what} (baseline {b.config.get(key)!r}, "
+                f"candidate {c.config.get(key)!r})"
+            )
+    key = ["method", "shared_tokens", "qps"]
+    m = b.rows.merge(c.rows, on=key, suffixes=("_b", "_c"), how="left", indicator=True)
+    missing = m[m["_merge"] != "both"]
+    if len(missing):
+        row = missing.iloc[0]
+        raise BenchError(
+            f"incomparable: the candidate sweep has no point {row['method']} at {row['shared_tokens']} shared "
+            f"tokens, QPS {row['qps']:g}"
+        )
+    cmp = Comparison(base_dir, cand_dir, "sweep point", len(m), exact=lim.exact)
+    same_hw = hardware(b.config) == hardware(c.config)
+    timings = lim.timings and same_hw
+    if lim.timings and not same_hw:
+        cmp.notes.append(f"timings not compared, hardware differs ({hardware(b.config)} vs {hardware(c.config)})")
+    for _, row in m.iterrows():
+        cmp.checks += sweep_checks(row, lim, timings)
+    diff = [k for k in EXACT_SWEEP_KEYS if b.config.get(k) != c.config.get(k)]
+    if diff:
+        cmp.notes.append(f"configs differ in {', '.join(diff)}: thresholds only, no exact comparison")
+    else:
+        cmp.differences += sweep_differences(b, c)
+    _version_note(cmp, "sweep", b.config, c.config)
+    return cmp
+
+
+def sweep_checks(row: pd.Series, lim: Limits, timings: bool) -> list[Check]:
+    scope = f"{row['method']}@{row['shared_tokens']} qps {row['qps']:g}"
+    out = [
+        drop_check(scope, "rho", row.get("reuse_ratio_b"), row.get("reuse_ratio_c"), lim.rho_drop),
+        increase_check(
+            scope,
+            "KV+state",
+            row.get("kv_state_peak_bytes_b"),
+            row.get("kv_state_peak_bytes_c"),
+            lim.memory_increase,
+            0,
+            "MiB",
+        ),
+    ]
+    if timings:
+        for stat in ("p50", "p90"):
+            k = f"ttft_{stat}_s"
+            out.append(
+                increase_check(
+                    scope, f"TTFT {stat}", row.get(f"{k}_b"), row.get(f"{k}_c"), lim.ttft_increase, lim.noise, "s"
+                )
+            )
+        out.append(
+            increase_check(
+                scope,
+                "peak mem",
+                row.get("peak_mem_bytes_b"),
+                row.get("peak_mem_bytes_c"),
+                lim.memory_increase,
+                lim.noise,
+                "MiB",
+            )
+        )
+    return out
+
+
+def sweep_differences(b: Sweep, c: Sweep) -> list[str]:
+    """Value-by-value differences of the isolated measurements (``service.jsonl``)."""
+    if b.service.empty or c.service.empty:
+        return []
+    keys = ["method", "shared_tokens", "trajectory", "step"]
+    r = b.service.merge(c.service, on=keys, suffixes=("_b", "_c"))
+    return field_differences("sweep", r, keys, EXACT_FIELDS, "measured requests")
+
+
+# ---- entry points --------------------------------------------------------------------------------
+def compare(baseline: str, candidate: str, limits: Limits | None = None) -> Comparison:
+    """Compare two run/suite directories or two sweep directories (BenchError: unusable input)."""
+    lim = limits or Limits()
+    kb, kc = dir_kind(baseline), dir_kind(candidate)
+    if (kb == "sweep") != (kc == "sweep"):
+        raise BenchError(f"incomparable: the baseline is a {kb} directory and the candidate a {kc} directory")
+    if kb == "sweep":
+        return compare_sweeps(baseline, candidate, lim)
+    return compare_runs(baseline, candidate, lim)
+
+
+_MD_HEAD = ["| status | scope | metric | baseline | candidate | change | allowed |", "|---|---|---|---:|---:|---:|---|"]
+
+
+def markdown(cmp: Comparison) -> str:
+    """A report fit for a pull-request comment: verdict, failed and skipped checks, the passing ones
+    folded, the deterministic differences and the notes."""
+    out = [
+        f"## kvcmas-bench compare: {'FAIL' if cmp.regressed else 'PASS'}",
+        "",
+        f"Baseline `{cmp.baseline}` vs candidate `{cmp.candidate}`: {cmp.pairs} {cmp.kind} pairs, "
+        f"{len(cmp.failures)} failed checks, {len(cmp.differences)} deterministic differences"
+        + (" (each a regression: --exact)." if cmp.exact else " (listed, not failing; --exact fails on them)."),
+        "",
+    ]
+    shown = sorted((c for c in cmp.checks if c.status != "ok"), key=lambda c: c.status != "FAIL")
+    passing = [c for c in cmp.checks if c.status == "ok"]
+    if shown:
+        out += [*_MD_HEAD, *(_md_check(c) for c in shown), ""]
+    if passing:
+        out += [f"<details><summary>{len(passing)} passing checks</summary>", "", *_MD_HEAD]
+        out += [_md_check(c) for c in passing] + ["", "</details>"]
+    if cmp.differences:
+        out += ["", "### Deterministic differences", ""] + [f"- {d}" for d in cmp.differences]
+    if cmp.notes:
+        out += ["", "### Notes", ""] + [f"- {n}" for n in cmp.notes]
+    return "\n".join(out) + "\n"
+
+
+def _md_check(c: Check) -> str:
+    unit = {"s": " s", "MiB": " MiB"}.get(c.kind, "")
+    status = {"FAIL": "**FAIL**", "skipped": f"skipped ({c.note})"}.get(c.status, c.status)
+    return (
+        f"| {status} | {c.scope} | {c.metric} | {cell(c.baseline, c.kind)}{unit} | "
+        f"{cell(c.candidate, c.kind)}{unit} | {c.change} | {c.allowed} |"
+    )
+
+
+def write_baseline(src: str, dst: str) -> Path:
+    """A compact copy of a run or suite directory for ``benchmarks/baselines/``: what ``compare``
+    reads, without per-layer errors, method details and the report."""
+    kind = dir_kind(src)
+    if kind == "sweep":
+        raise BenchError("write_baseline takes a run or suite directory")
+    out = Path(dst)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    cells = [Path(src)]
+    if kind == "suite":
+        from ..results.frames import suite_cells
+
+        shutil.copy(Path(src) / "suite.json", out / "suite.json")
+        cells = suite_cells(src)
+    for d in cells:
+        target = out / d.relative_to(src)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "summary.json", "samples.jsonl"):
+            if (d / name).exists():
+                shutil.copy(d / name, target / name)
+        rows = [_slim(r) for r in read_jsonl(d / "requests.jsonl", required=False)]
+        (target / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return out
+
+
+def _slim(rec: dict) -> dict:
+    rec = {k: v for k, v in rec.items() if k != "method_stats"}
+    drop = ("kv_rel_error_per_layer", "k_rel_error", "v_rel_error", "details")
+    rec["segments"] = [{k: v for k, v in s.items() if k not in drop} for s in rec.get("segments", [])]
+    return rec

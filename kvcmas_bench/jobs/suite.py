@@ -1,0 +1,222 @@
+"""The ``suite`` job: a matrix of methods x workloads, one resumable run directory per cell, and the
+report over all of them at the end.
+
+Layout: ``DIR/suite.json`` (the manifest: settings, methods, workloads, and per cell its path,
+status, sample count and error), ``DIR/<workload>/<method>/`` (an ordinary ``run`` directory) and
+``DIR/report/`` (the ``report`` job over ``DIR``).
+
+Policy:
+
+- Everything is checked before any model loads: job options, the methods and every method
+  option for every workload (an option no selected method has is an error), each workload's data
+  (loaded once to count the samples) and, for methods that calibrate, that held-out samples remain.
+- Every cell runs the ``run`` job with the same ``--seed``/``--limit``: the same samples for every
+  method. NonShared is always included, first in each workload: it is the reference of agreement.
+  Method options go to the methods that have them.
+- A cell that fails with a user-facing error (:class:`BenchError`, e.g. a method that cannot run
+  this model) is recorded in ``suite.json`` with its message and the other cells still run; the
+  report covers the finished cells and the command then exits with code 2 naming the failed cells.
+  Other exceptions (bugs) stop the suite.
+- Ctrl-C keeps every finished sample. The same command resumes: cells recorded as done (same
+  sample count) are skipped without loading a model; the interrupted cell resumes at its first
+  unfinished sample. A different ``--limit`` re-enters every cell (each resumes its samples);
+  different model, dtype, seed, token budgets, fidelity or method options are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import BenchError
+from ..methods import METHODS, expand_methods, resolve_methods
+from ..results.frames import read_json
+from ..results.records import write_json
+from ..workloads import get_workload
+from .run import RunOptions, select_samples
+from .run import run as run_job
+
+#: settings a resumed suite directory must share (they change every result)
+STRICT_KEYS = (
+    "model",
+    "dtype",
+    "seed",
+    "max_new_tokens",
+    "final_max_new_tokens",
+    "fidelity",
+    "calib_samples",
+    "method_args",
+)
+
+
+@dataclass
+class SuiteOptions:
+    methods: list[str] = field(default_factory=lambda: ["all"])
+    workloads: list[str] = field(default_factory=lambda: ["mmlu"])
+    limit: int | None = None
+    seed: int = 0
+    output_path: str = "runs/suite"
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    max_new_tokens: int | None = None
+    final_max_new_tokens: int | None = None
+    fidelity: bool = False
+    calib_samples: int = 4
+    #: knob values for every method that has them (typed flags and ``--method-arg`` pairs)
+    method_args: dict = field(default_factory=dict)
+    report_formats: list[str] = field(default_factory=lambda: ["md", "html"])
+    plots: bool = True
+
+    def settings(self) -> dict:
+        return json.loads(json.dumps({k: getattr(self, k) for k in (*STRICT_KEYS, "limit", "device")}))
+
+
+@dataclass
+class Cell:
+    workload: str
+    method: str
+    #: samples the cell evaluates
+    n: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload}/{self.method}"
+
+
+@dataclass
+class SuiteResult:
+    out_dir: Path
+    cells: list[Cell]
+    skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    report: object = None
+
+
+def run_options(opts: SuiteOptions, cell: Cell) -> RunOptions:
+    """The ``run`` options of one cell (method options filtered to the method's own knobs)."""
+    knobs = METHODS[cell.method].knobs()
+    return RunOptions(
+        method=cell.method,
+        workload=cell.workload,
+        model=opts.model,
+        limit=opts.limit,
+        output_path=str(Path(opts.output_path) / cell.workload / cell.method),
+        seed=opts.seed,
+        device=opts.device,
+        dtype=opts.dtype,
+        max_new_tokens=opts.max_new_tokens,
+        final_max_new_tokens=opts.final_max_new_tokens,
+        fidelity=opts.fidelity,
+        calib_samples=opts.calib_samples,
+        method_args={k: v for k, v in opts.method_args.items() if k in knobs},
+    )
+
+
+def plan_suite(opts: SuiteOptions) -> list[Cell]:
+    """Check everything and return the cells, NonShared first in each workload; no model is loaded."""
+    from ..modeling import resolve_device, resolve_dtype
+
+    methods = expand_methods(opts.methods)
+    methods = ["nonshared"] + [m for m in methods if m != "nonshared"]
+    workloads = list(dict.fromkeys(opts.workloads))
+    if not workloads:
+        raise BenchError("no workloads given (comma-separated, e.g. mmlu,gsm8k)")
+    run_options(opts, Cell(workloads[0], methods[0], 0)).validate()  # job options: limit, token budgets...
+    resolve_device(opts.device)
+    resolve_dtype(opts.dtype)
+    cells = []
+    for w in workloads:
+        workload = get_workload(w)
+        specs = resolve_methods(methods, opts.method_args, workload)
+        data = workload.load()
+        n = len(select_samples(data, opts.limit, opts.seed))
+        if n == 0:
+            raise BenchError(f"workload {w!r} has no samples")
+        calibrating = [m for m, s in specs.items() if s.cls.needs_calibration]
+        if calibrating and len(data) - n < 1:
+            raise BenchError(f"{', '.join(calibrating)} need held-out calibration samples on {w}; lower --limit")
+        cells += [Cell(w, m, n) for m in methods]
+    return cells
+
+
+def open_manifest(out_dir: Path, opts: SuiteOptions, cells: list[Cell]) -> dict:
+    """The manifest of ``out_dir``, new or resumed (refused when its settings differ)."""
+    path = out_dir / "suite.json"
+    settings = opts.settings()
+    old = read_json(path) if path.exists() else None
+    if old is not None and old.get("command") != "suite":
+        raise BenchError(f"{path} is not a suite manifest; use another --output-path")
+    prev = (old or {}).get("settings", {})
+    for k in STRICT_KEYS if old is not None else ():
+        if prev.get(k) != settings[k]:
+            raise BenchError(
+                f"{out_dir} holds a suite with a different {k} ({prev.get(k)!r} vs {settings[k]!r}); "
+                "use another --output-path"
+            )
+    states = dict((old or {}).get("cells", {}))
+    if old is not None and prev.get("limit") != settings["limit"]:
+        states = {k: {**v, "status": "pending"} for k, v in states.items()}
+    for c in cells:
+        states.setdefault(c.name, {"workload": c.workload, "method": c.method, "path": c.name, "status": "pending"})
+    return {
+        "command": "suite",
+        "settings": settings,
+        "methods": list(dict.fromkeys([*(old or {}).get("methods", []), *(c.method for c in cells)])),
+        "workloads": list(dict.fromkeys([*(old or {}).get("workloads", []), *(c.workload for c in cells)])),
+        "cells": states,
+    }
+
+
+def is_done(state: dict, cell: Cell) -> bool:
+    return state.get("status") == "done" and state.get("n") == cell.n
+
+
+def run_suite(opts: SuiteOptions, progress=None) -> SuiteResult:
+    """Run (or resume) every cell, then write the report; returns what ran, was skipped or failed.
+
+    ``progress``: optional object with ``begin(cells, done)``, ``cell(cell) -> run progress``
+    (``start``/``advance`` as for ``run``) and ``end_cell(cell, status, detail)``.
+    """
+    from .report import build_report, parse_formats
+
+    parse_formats(opts.report_formats)
+    cells = plan_suite(opts)
+    out_dir = Path(opts.output_path)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BenchError(f"--output-path {out_dir} exists and is not a directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = open_manifest(out_dir, opts, cells)
+    write_json(out_dir / "suite.json", manifest)
+    res = SuiteResult(out_dir, cells, skipped=[c.name for c in cells if is_done(manifest["cells"][c.name], c)])
+    if progress is not None:
+        progress.begin(cells, set(res.skipped))
+    for cell in cells:
+        if cell.name not in res.skipped:
+            _run_cell(cell, opts, manifest, out_dir, res, progress)
+    if len(res.failed) < len(cells):
+        res.report = build_report([out_dir], out_dir / "report", opts.report_formats, opts.plots)
+    return res
+
+
+def _run_cell(cell: Cell, opts: SuiteOptions, manifest: dict, out_dir: Path, res: SuiteResult, progress) -> None:
+    state = manifest["cells"][cell.name]
+    state.update(status="running", error=None, run_options=_jsonable(run_options(opts, cell)))
+    write_json(out_dir / "suite.json", manifest)
+    try:
+        summary = run_job(run_options(opts, cell), progress=progress.cell(cell) if progress is not None else None)
+    except BenchError as exc:
+        state.update(status="failed", error=str(exc))
+        res.failed[cell.name] = str(exc)
+        if progress is not None:
+            progress.end_cell(cell, "failed", str(exc))
+    else:
+        state.update(status="done", n=summary.get("n"), accuracy=summary.get("accuracy"))
+        if progress is not None:
+            progress.end_cell(cell, "done", summary)
+    write_json(out_dir / "suite.json", manifest)
+
+
+def _jsonable(ro: RunOptions) -> dict:
+    return json.loads(json.dumps(asdict(ro), default=str))

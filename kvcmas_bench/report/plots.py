@@ -1,0 +1,248 @@
+"""Report figures (matplotlib, Agg): Pareto views in the manner of the paper's Figure 4, accuracy
+vs reuse ratio for runs at several rho/tau, and the TTFT-vs-QPS figures of serve-sweeps.
+
+Pareto view: one point per method (x: E2E latency or TTFT, lower is better; y: accuracy or
+agreement with NonShared, higher is better), the Pareto frontier as a staircase through the
+non-dominated points, and the rectangle spanned by FullShared and NonShared shaded. The axes are
+framed on that region (extended by its own size on each side); a point outside the frame is drawn
+on the border (hollow marker) and labelled with its true values. Artists carry ``gid``s
+(``point:<label>``, ``clamped:<label>``, ``frontier``, ``baseline-region``, ``nonshared-ref``) so
+tests can read what was drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+from ..serving.plots import LABELS, plot_ttft  # noqa: E402
+
+X_AXES = {"latency_s": ("E2E latency per sample (s)", "E2E latency"), "ttft_s": ("TTFT, mean per request (s)", "TTFT")}
+Y_AXES = {"accuracy": "accuracy", "answer_agreement": "answer agreement with NonShared"}
+
+
+#: one colour per method, the same in every figure
+COLORS = {m: f"C{i}" for i, m in enumerate(LABELS)}
+
+
+@dataclass
+class Figure:
+    """A written figure: file stem, caption, PNG and SVG paths."""
+
+    name: str
+    caption: str
+    png: Path
+    svg: Path
+
+
+def display(label: str) -> str:
+    """``kvcmas rho=0.8`` -> ``KVCMAS rho=0.8``."""
+    method, _, rest = label.partition(" ")
+    return LABELS.get(method, method) + (f" {rest}" if rest else "")
+
+
+def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The Pareto-optimal points for (minimal x, maximal y), by increasing x."""
+    out: list[tuple[float, float]] = []
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not out or y > out[-1][1]:
+            out.append((x, y))
+    return out
+
+
+def _frame(values: list[float], base: list[float], floor: float, clip: tuple[float, float]) -> tuple[float, float]:
+    """Axis limits: the baselines' interval extended by its size (at least ``floor``) on each side,
+    shrunk to the data where the data lie inside, clipped to ``clip``."""
+    lo_b, hi_b = min(base), max(base)
+    span = max(hi_b - lo_b, floor, 1e-6)
+    pad = max(0.08 * span, 0.5 * floor)
+    lo = max(lo_b - span, min(values) - pad, clip[0])
+    hi = min(hi_b + span, max(values) + pad, clip[1])
+    return lo, hi
+
+
+def meta_line(df: pd.DataFrame) -> str:
+    """Model, device and context length of the runs of one workload, for titles."""
+    models = ", ".join(sorted({str(m) for m in df["model"].dropna()})) or "?"
+    devices = ", ".join(sorted({str(d) for d in df["device"].dropna()})) or "?"
+    ctx = ""
+    if "prompt_tokens_mean" in df and df["prompt_tokens_mean"].notna().any():
+        ctx = (
+            f"; context: prompt {df['prompt_tokens_mean'].mean():.0f} tokens mean,"
+            f" {int(df['prompt_tokens_max'].max())} max"
+        )
+    return f"{models} on {devices}{ctx}"
+
+
+def pareto_axes(df: pd.DataFrame, x: str, y: str, title: str):
+    """The Pareto view of one workload's Table 1 rows; returns (figure, axes)."""
+    pts = df.dropna(subset=[x, y])
+    fig, ax = plt.subplots(figsize=(7.0, 4.8))
+    base = {m: pts[pts["method"] == m] for m in ("fullshared", "nonshared")}
+    xs, ys = pts[x].astype(float).tolist(), pts[y].astype(float).tolist()
+    if all(len(b) for b in base.values()):
+        bx = [float(base[m][x].iloc[0]) for m in base]
+        by = [float(base[m][y].iloc[0]) for m in base]
+        xlim = _frame(xs, bx, 0.2 * max(bx), (0.0, float("inf")))
+        ylim = _frame(ys, by, 0.1, (-0.02, 1.02))
+        _shade(ax, bx, by, ylim)
+    else:
+        xlim = _frame(xs, xs, 0.2 * max(xs), (0.0, float("inf")))
+        ylim = _frame(ys, ys, 0.1, (-0.02, 1.02))
+    order = sorted(range(len(xs)), key=lambda i: xs[i])  # stagger the labels of neighbouring points
+    for rank, i in enumerate(order):
+        _point(ax, pts["label"].iloc[i], xs[i], ys[i], xlim, ylim, 4 + 9 * (rank % 3))
+    front = frontier(list(zip(xs, ys)))
+    ax.plot(
+        [p[0] for p in front],
+        [p[1] for p in front],
+        drawstyle="steps-post",
+        color="black",
+        lw=1,
+        ls="--",
+        marker="o",
+        ms=11,
+        mfc="none",
+        mec="black",
+        gid="frontier",
+        label="Pareto frontier",
+    )
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.set_xlabel(X_AXES[x][0])
+    ax.set_ylabel(Y_AXES[y])
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig, ax
+
+
+def _shade(ax, bx: list[float], by: list[float], ylim: tuple[float, float]) -> None:
+    """The region between FullShared and NonShared (a vertical band when their y are equal)."""
+    y0, y1 = min(by), max(by)
+    if y1 - y0 < 1e-12:
+        y0, y1 = ylim
+    ax.add_patch(
+        Rectangle(
+            (min(bx), y0),
+            max(bx) - min(bx),
+            y1 - y0,
+            alpha=0.12,
+            color="tab:blue",
+            lw=0,
+            gid="baseline-region",
+            label="between FullShared and NonShared",
+        )
+    )
+
+
+def _point(ax, label: str, x: float, y: float, xlim, ylim, dy: int = 4) -> None:
+    cx, cy = min(max(x, xlim[0]), xlim[1]), min(max(y, ylim[0]), ylim[1])
+    inside = (cx, cy) == (x, y)
+    name = display(label)
+    color = COLORS.get(label.partition(" ")[0], "gray")
+    ax.scatter(
+        [cx],
+        [cy],
+        s=40,
+        marker="o" if inside else "D",
+        facecolors=color if inside else "none",
+        edgecolors=color,
+        zorder=4,
+        clip_on=False,
+        gid=("point:" if inside else "clamped:") + label,
+    )
+    text = name if inside else f"{name} ({x:.3g}, {y:.3f})"
+    right, top = cx >= xlim[1], cy >= ylim[1]
+    ax.annotate(
+        text,
+        (cx, cy),
+        textcoords="offset points",
+        xytext=(-6 if right else 4, -10 if top else dy),
+        ha="right" if right else "left",
+        fontsize=7,
+        gid="label:" + label,
+    )
+
+
+def rho_axes(df: pd.DataFrame, y: str, title: str):
+    """Accuracy (or agreement) vs measured reuse ratio, one line per method with several runs;
+    NonShared as a dashed reference line. Returns (figure, axes)."""
+    fig, ax = plt.subplots(figsize=(7.0, 4.8))
+    pts = df.dropna(subset=[y])
+    ref = pts[pts["method"] == "nonshared"]
+    if len(ref):
+        ax.axhline(float(ref[y].iloc[0]), color="gray", ls="--", lw=1, gid="nonshared-ref", label="NonShared")
+    for method, g in pts[pts["method"] != "nonshared"].dropna(subset=["reuse_ratio"]).groupby("method", sort=False):
+        g = g.sort_values("reuse_ratio")
+        ax.plot(
+            g["reuse_ratio"],
+            g[y],
+            marker="o",
+            color=COLORS.get(method),
+            label=LABELS.get(method, method),
+            gid=f"rho:{method}",
+        )
+        for label, vx, vy in zip(g["label"], g["reuse_ratio"], g[y]):
+            suffix = label.partition(" ")[2]
+            if suffix:
+                ax.annotate(suffix, (vx, vy), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("reuse ratio rho (served (token, layer) entries / eligible)")
+    ax.set_ylabel(Y_AXES[y])
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig, ax
+
+
+def save(fig, out_dir: Path, name: str, caption: str) -> Figure:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png, svg = out_dir / f"{name}.png", out_dir / f"{name}.svg"
+    fig.savefig(png, dpi=120)
+    fig.savefig(svg)
+    plt.close(fig)
+    return Figure(name, caption, png, svg)
+
+
+def workload_figures(df: pd.DataFrame, workload: str, out_dir: Path) -> list[Figure]:
+    """Every Pareto view of one workload's rows, and the accuracy-vs-rho view when a method ran at
+    several settings."""
+    meta = meta_line(df)
+    figs = []
+    for y in ("accuracy", "answer_agreement"):
+        if y not in df or df[y].isna().all():
+            continue
+        for x, (_, short) in X_AXES.items():
+            if x not in df or df[x].isna().all():
+                continue
+            caption = f"{workload}: {Y_AXES[y]} vs {short}"
+            fig, _ = pareto_axes(df, x, y, f"{caption}\n{meta}")
+            figs.append(save(fig, out_dir, f"{workload}_{y}_vs_{x.removesuffix('_s')}", caption))
+    several = df[df["method"] != "nonshared"].groupby("method")["label"].nunique()
+    if (several > 1).any() and "reuse_ratio" in df:
+        for y in ("accuracy", "answer_agreement"):
+            if y in df and df[y].notna().any():
+                caption = f"{workload}: {Y_AXES[y]} vs reuse ratio"
+                fig, _ = rho_axes(df, y, f"{caption}\n{meta}")
+                figs.append(save(fig, out_dir, f"{workload}_{y}_vs_rho", caption))
+    return figs
+
+
+def sweep_figures(rows: list[dict], name: str, note: str, out_dir: Path, accumulated: bool) -> list[Figure]:
+    """TTFT p50/p90 vs QPS of one sweep (saturated points ringed)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figs = []
+    for stat in ("p50", "p90"):
+        png = out_dir / f"{name}_ttft_{stat}.png"
+        plot_ttft(rows, png, stat, accumulated=accumulated, note=note)
+        figs.append(Figure(png.stem, f"{name}: {stat} TTFT vs QPS", png, png.with_suffix(".svg")))
+    return figs

@@ -1,0 +1,171 @@
+"""suite: validation before any model loads, resume after an interrupt without redoing finished
+cells, a failing cell recorded while the others run, and agreement with NonShared end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcmas_bench.errors import BenchError
+from kvcmas_bench.jobs import run as runner
+from kvcmas_bench.jobs import suite as suite_job
+
+from .conftest import run_cli
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def args(model: str, out, *extra: str) -> list[str]:
+    return [
+        "suite",
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "2",
+        "--final-max-new-tokens",
+        "2",
+        "--no-plots",
+        "-o",
+        str(out),
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--methods", "nope"], "unknown method"),
+        (["--workloads", "mmlu,nope"], "unknown workload"),
+        (["--method-arg", "bogus=1"], "--bogus does not apply"),
+        (["--methods", "cacheblend", "--rho", "1.5"], "rho"),
+        (["--workloads", "videomme"], "videomme"),
+        (["--limit", "0"], "--limit"),
+        (["--format", "pdf"], "--format"),
+        (["--device", "tpu"], "--device"),
+    ],
+)
+def test_everything_is_checked_before_a_model_loads(tmp_path, monkeypatch, capsys, extra, needle):
+    import kvcmas_bench.modeling as modeling
+
+    def no_model(*a, **kw):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(modeling, "load_model", no_model)
+    capsys.readouterr()
+    rc = run_cli([*args("unused", tmp_path / "s"), *extra])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_suite_resumes_after_an_interrupt_without_redoing_finished_cells(tiny_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "suite"
+    cmd = args(tiny_model_dir, out, "--methods", "fullshared", "--workloads", "mmlu")
+    real_one, real_prepare = runner.run_one, runner.prepare
+    calls = {"one": 0, "prepare": 0}
+
+    def one(*a, **kw):
+        calls["one"] += 1
+        if calls["one"] == 4:  # NonShared's 2 samples, FullShared's first, then Ctrl-C
+            raise KeyboardInterrupt
+        return real_one(*a, **kw)
+
+    def prepare(*a, **kw):
+        calls["prepare"] += 1
+        return real_prepare(*a, **kw)
+
+    monkeypatch.setattr(runner, "run_one", one)
+    monkeypatch.setattr(runner, "prepare", prepare)
+    assert run_cli(cmd) == 130
+    manifest = json.loads((out / "suite.json").read_text())
+    assert manifest["cells"]["mmlu/nonshared"]["status"] == "done"
+    assert manifest["cells"]["mmlu/fullshared"]["status"] == "running"
+    ns_samples = (out / "mmlu" / "nonshared" / "samples.jsonl").read_bytes()
+    assert len((out / "mmlu" / "fullshared" / "samples.jsonl").read_text().splitlines()) == 1
+
+    calls.update(one=0, prepare=0)
+    assert run_cli(cmd) == 0
+    # only the interrupted cell was prepared again, and only its missing sample ran
+    assert calls == {"one": 1, "prepare": 1}
+    assert (out / "mmlu" / "nonshared" / "samples.jsonl").read_bytes() == ns_samples
+    manifest = json.loads((out / "suite.json").read_text())
+    assert {c["status"] for c in manifest["cells"].values()} == {"done"}
+    assert (out / "report" / "report.md").exists() and (out / "report" / "report.html").exists()
+
+    calls.update(one=0, prepare=0)
+    assert run_cli(cmd) == 0
+    assert calls == {"one": 0, "prepare": 0}
+    # the same directory with other settings is refused
+    assert run_cli([*cmd[:-4], "--seed", "3", *cmd[-4:]]) == 2
+
+
+def test_a_failing_cell_is_recorded_and_the_others_run(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "suite"
+    real = suite_job.run_job
+
+    def flaky(opts, progress=None):
+        if opts.method == "fullshared":
+            raise BenchError("this method cannot run here")
+        return real(opts, progress=progress)
+
+    monkeypatch.setattr(suite_job, "run_job", flaky)
+    capsys.readouterr()
+    rc = run_cli(args(tiny_model_dir, out, "--methods", "fullshared,kvcmas"))
+    err = capsys.readouterr().err
+    assert rc == 2 and "1 of 3 cells failed (mmlu/fullshared: this method cannot run here)" in err
+    cells = json.loads((out / "suite.json").read_text())["cells"]
+    assert cells["mmlu/fullshared"] == {**cells["mmlu/fullshared"], "status": "failed"}
+    assert cells["mmlu/fullshared"]["error"] == "this method cannot run here"
+    assert cells["mmlu/kvcmas"]["status"] == "done"
+    assert "kvcmas" in (out / "report" / "report.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def one_layer_model_dir(tmp_path_factory):
+    """A one-layer random Llama: the K/V of a token depend only on the token and its position, so
+    every agent's shared segments have the same cache whatever precedes them (the prefixes are
+    identical as far as the cache can tell), and FullShared's re-aligned reuse is exact."""
+    from transformers import AutoTokenizer
+
+    from kvcmas_bench.modeling import default_model_dir
+
+    from .conftest import tiny_model
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    model = tiny_model("llama", vocab=len(tok), layers=1)
+    model.config.eos_token_id = tok.eos_token_id
+    d = tmp_path_factory.mktemp("one-layer")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def test_agreement_is_one_for_nonshared_and_for_exact_fullshared(one_layer_model_dir, tmp_path):
+    from kvcmas_bench.jobs.report import build_report
+    from kvcmas_bench.report.tables import sample_agreement
+    from kvcmas_bench.results.frames import load_dirs
+
+    out = tmp_path / "suite"
+    cmd = args(one_layer_model_dir, out, "--methods", "fullshared", "--fidelity", "--limit", "3")
+    cmd[cmd.index("--max-new-tokens") + 1] = "6"
+    assert run_cli(cmd) == 0
+    t = build_report([out], tmp_path / "rep", ["md"], plots=False).table1.set_index("method")
+    assert t.loc["fullshared", "reuse_ratio"] == 1.0 and t.loc["fullshared", "kv_rel_error"] < 1e-5
+    for m in ("nonshared", "fullshared"):
+        assert t.loc[m, "answer_agreement"] == 1.0 and t.loc[m, "first_token_agreement"] == 1.0
+    # not only the extracted answers: the final outputs are identical too
+    ns, fs = sorted(load_dirs([out]).runs, key=lambda r: r.method != "nonshared")
+    assert list(fs.samples["final_output"]) == list(ns.samples["final_output"])
+    assert sample_agreement(fs, ns)["agree"].all()
