@@ -230,6 +230,11 @@ def serve_sweep_cmd(
     accumulated: bool = typer.Option(False, help="Shared context accumulated from agent outputs (paper B.6)."),
     traces: str | None = typer.Option(None, help="Replay a saved traces.jsonl exactly."),
     calib_trajectories: int = typer.Option(2, help="Held-out trajectories for calibration / pool warm-up."),
+    warmup_trajectories: int = typer.Option(
+        0,
+        help="More held-out trajectories every method serves before measurement (pools in steady state, "
+        "as in a long-running service; excluded from the statistics), like vllm bench serve --num-warmups.",
+    ),
     tau: float | None = typer.Option(None, help="Gate threshold of KVCMAS/KVComm."),
     rank: int | None = typer.Option(None, help="KVCMAS rank."),
     anchors: int | None = typer.Option(None, help="Anchor pool size."),
@@ -261,6 +266,7 @@ def serve_sweep_cmd(
         accumulated=accumulated,
         traces_path=traces,
         calib_trajectories=calib_trajectories,
+        warmup_trajectories=warmup_trajectories,
         backend=engine,
         method_args=knob_args(method_arg, tau=tau, rank=rank, anchors=anchors, rho=rho, anchor_dtype=anchor_dtype),
     )

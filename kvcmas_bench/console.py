@@ -160,6 +160,7 @@ SWEEP_COLUMNS = (
     Column("peak_mem_bytes", "peak MiB", "MiB", 4),
     Column("kv_state_peak_bytes", "KV+state MiB", "MiB", 6),
     Column("reuse_ratio", "rho", "rho", 2),
+    Column("service_e2e_mean_s", "svc s", "s", 2),
 )
 
 

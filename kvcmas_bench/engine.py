@@ -164,6 +164,8 @@ class RequestResult:
     peak_rss_bytes: int
     device_peak_bytes: int | None
     first_token: int | None = None
+    #: seconds of deferred work after the first token (anchor construction), inside E2E
+    deferred_s: float = 0.0
     first_logits: torch.Tensor | None = None
     fidelity: dict | None = None
 
@@ -470,8 +472,10 @@ class Engine:
         h = self._prefill(request, method, sources or {}, cache, st, fidelity)
         logits = self.logits(h[:, -1:])[0, -1]
         ttft = self.now() - t0 - st.excluded
+        td = self.now()
         for fn in st.deferred:
             fn()
+        deferred_s = self.now() - td
         first = int(logits.argmax())
         out, output_kv = self._decode(cache, request, method, first, prompt_len, keep_output_kv)
         e2e = self.now() - t0 - st.excluded
@@ -498,6 +502,7 @@ class Engine:
             peak_rss_bytes=self.peak_rss(),
             device_peak_bytes=self.device_peak(),
             first_token=first,
+            deferred_s=deferred_s,
             first_logits=logits.detach().cpu() if fidelity else None,
             fidelity=fid,
         )

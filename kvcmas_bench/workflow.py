@@ -303,6 +303,7 @@ def request_records(run: UnitRun, layers: int, **ids) -> list[RequestRecord]:
             agent=step.role.name,
             ttft_s=r.ttft_s,
             e2e_s=r.e2e_s,
+            deferred_s=r.deferred_s,
             step=i,
             node=step.node.id,
             **ids,

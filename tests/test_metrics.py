@@ -407,7 +407,16 @@ def test_accounting_aggregates_counters_statuses_and_gate_distributions(engine):
 
 # ---- resume with persisted method state -------------------------------------------------------------
 def _records(path) -> list[dict]:
-    drop = {"ttft_s", "e2e_s", "latency_s", "peak_rss_bytes", "peak_mem_bytes", "device_peak_bytes", "materialize_s"}
+    drop = {
+        "ttft_s",
+        "e2e_s",
+        "latency_s",
+        "peak_rss_bytes",
+        "peak_mem_bytes",
+        "device_peak_bytes",
+        "materialize_s",
+        "deferred_s",
+    }
 
     def clean(d):
         if isinstance(d, dict):

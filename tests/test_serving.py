@@ -354,3 +354,28 @@ def test_real_model_sweep_nonshared_vs_kvcmas(tmp_path):
     # queueing never makes TTFT shorter than in single stream on the same measurements
     for m in ("nonshared", "kvcmas"):
         assert rows[(m, 4.0)]["ttft_mean_s"] >= rows[(m, 0.0)]["ttft_mean_s"] - 1e-9
+
+
+def test_warmup_trajectories_are_served_before_measurement_and_excluded(tmp_path, tiny_lm):
+    kw = dict(
+        model=tiny_lm,
+        output_tokens=2,
+        device="cpu",
+        texts=TEXTS,
+        console=quiet(),
+        progress=lambda m: None,
+        calib_trajectories=1,
+        method_args={"tau": 1.0},
+        plots=False,
+    )
+    cold = serve_sweep(["kvcmas"], [0], [24], 2, str(tmp_path / "cold"), **kw)
+    warm = serve_sweep(["kvcmas"], [0], [24], 2, str(tmp_path / "warm"), warmup_trajectories=3, **kw)
+    cfg = json.loads((tmp_path / "warm" / "config.json").read_text())
+    warm_ids = cfg["warmup_trajectories"]["24"]
+    assert len(warm_ids) == 3 and not set(warm_ids) & set(cfg["calibration_trajectories"]["24"])
+    splits = [json.loads(x)["split"] for x in (tmp_path / "warm" / "traces.jsonl").read_text().splitlines()]
+    assert splits.count("warmup") == 3 and splits.count("eval") == 2
+    reqs = [json.loads(x) for x in (tmp_path / "warm" / "requests.jsonl").read_text().splitlines()]
+    assert len(reqs) == 2 * 4 and not {r["trajectory"] for r in reqs} & set(warm_ids)  # excluded from statistics
+    # pools in steady state: the measured trajectories reuse more than after a cold start
+    assert warm["rows"][0]["reuse_ratio"] > cold["rows"][0]["reuse_ratio"]

@@ -139,12 +139,12 @@ def _groups_from_file(
     groups = {}
     for s in list(dict.fromkeys(int(x) for x in shared_tokens)) or lengths:
         ev = [t for t in traces if t.shared_tokens == s and t.split == "eval"]
-        cal = [t for t in traces if t.shared_tokens == s and t.split == "calibration"]
+        cal = [t for t in traces if t.shared_tokens == s and t.split in ("calibration", "warmup")]
         if not ev:
             raise BenchError(f"{path} has no trajectories with shared_tokens {s} (has {lengths})")
         if len(ev) < n:
             raise BenchError(f"{path} has {len(ev)} trajectories at shared_tokens {s}, {n} asked")
-        if needs_calib and not cal:
+        if needs_calib and not any(t.split == "calibration" for t in cal):
             raise BenchError(f"{path} has no calibration trajectories for {', '.join(needs_calib)}")
         groups[s] = (ev[:n], cal)
     return groups
@@ -160,6 +160,7 @@ def _built_groups(
     context_tokens: int,
     calib: int,
     texts,
+    warmup: int = 0,
 ) -> dict:
     if texts is None:
         from ..serving.traces import mmlu_texts
@@ -167,8 +168,19 @@ def _built_groups(
         texts = mmlu_texts()
     groups = {}
     for s in dict.fromkeys(int(x) for x in shared_tokens):
-        trs = build_traces(tokenizer, n, s, output_tokens, seed, accumulated, context_tokens, calib, texts=texts)
-        groups[s] = ([t for t in trs if t.split == "eval"], [t for t in trs if t.split == "calibration"])
+        trs = build_traces(
+            tokenizer,
+            n,
+            s,
+            output_tokens,
+            seed,
+            accumulated,
+            context_tokens,
+            calib,
+            texts=texts,
+            warmup_trajectories=warmup,
+        )
+        groups[s] = ([t for t in trs if t.split == "eval"], [t for t in trs if t.split != "eval"])
     return groups
 
 
@@ -187,7 +199,12 @@ def sweep_config(
         "context_tokens": sorted({t.context_tokens for t in traces}),
         "output_tokens": sorted({t.output_tokens for t in traces}),
         "num_trajectories": sweep.num_trajectories,
-        "calibration_trajectories": {s: [t.id for t in cal] for s, (_, cal) in sweep.groups.items()},
+        "calibration_trajectories": {
+            s: [t.id for t in held if t.split == "calibration"] for s, (_, held) in sweep.groups.items()
+        },
+        "warmup_trajectories": {
+            s: [t.id for t in held if t.split == "warmup"] for s, (_, held) in sweep.groups.items()
+        },
         "burstiness": sweep.burstiness,
         "seed": sweep.seed,
         "traces_path": sweep.traces_path,
@@ -261,6 +278,7 @@ def serve_sweep(
     progress: Callable[[str], None] | None = None,
     texts=None,
     backend: Backend | str | None = None,
+    warmup_trajectories: int = 0,
 ) -> dict:
     """Serve every method on every shared length across all QPS values and write the results.
 
@@ -273,8 +291,10 @@ def serve_sweep(
     model is loaded. ``backend``: a registered backend name (default ``in-process``, built from
     ``model``/``device``/``dtype``/``ignore_eos``/``warmup``) or a :class:`Backend` instance.
     ``console``: rich Console for the table (default stdout); ``progress``: callback for one-line
-    progress messages. Returns the summary dict (also written to ``output_path/summary.json``).
-    Raises :class:`BenchError` on bad input.
+    progress messages. ``warmup_trajectories``: held-out trajectories every method serves before
+    measurement (online state warmed up as in a long-running service; excluded from statistics).
+    Returns the summary dict (also written to ``output_path/summary.json``). Raises
+    :class:`BenchError` on bad input.
     """
     from rich.console import Console
 
@@ -290,6 +310,8 @@ def serve_sweep(
         calib_trajectories,
         traces_path is not None,
     )
+    if warmup_trajectories < 0:
+        raise BenchError(f"--warmup-trajectories must be >= 0, got {warmup_trajectories}")
     specs = resolve_methods(names, method_args, get_workload(TEXT_WORKLOAD))
     needs_calib = [n for n, s in specs.items() if s.cls.needs_calibration]
     if needs_calib and calib_trajectories < 1 and traces_path is None:
@@ -317,6 +339,7 @@ def serve_sweep(
                 context_tokens,
                 calib_trajectories,
                 texts,
+                warmup_trajectories,
             )
         )
         check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
@@ -349,7 +372,7 @@ def serve_all(
                 say(f"{name} @ {s} shared tokens: reusing saved measurements")
                 out[(name, s)] = replay_all(prev[: len(ev)], schedules)
                 continue
-            say(f"{name} @ {s} shared tokens: preparing (calibration/warm-up on {len(cal)} held-out trajectories)")
+            say(f"{name} @ {s} shared tokens: preparing (calibration / warm-up on {len(cal)} held-out trajectories)")
             m = backend.prepare(spec, cal)
             config.setdefault("method_configs", {})[name] = m.config()
             res = backend.serve(m, ev, schedules)

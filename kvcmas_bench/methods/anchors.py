@@ -1,9 +1,13 @@
 """Online anchor pools shared by KVComm (full-dimensional) and KVCMAS (low-rank).
 
 One pool per shared slot, process-wide. An anchor stores a base cache (keys in canonical, position-0
-coordinates; values as they are) and, per consuming agent, the observed correction Delta. Storage is
+coordinates; values as they are) and, per consuming node, the observed correction Delta. Storage is
 either the full ``[layers, S, D]`` matrices or truncated-SVD factors per layer, separately for K and
-V. When the pool is full, the least frequently used anchor among the 5 oldest is evicted.
+V. When the pool is full, the least frequently used anchor among the five oldest is evicted.
+
+For the correction's GEMMs the pool keeps, per consumer, the ``B`` factors of that consumer's anchors
+side by side (:class:`ConsumerStack`), updated on every insert and eviction; the large ``A`` factors
+are never copied into a stack (the distance and apply kernels read them in place).
 """
 
 from __future__ import annotations
@@ -12,28 +16,37 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.lowrank import truncated_svd
+from ..ops.lowrank import row_sqnorms, truncated_svd, truncated_svd_gram
+
+PARTS = ("base_k", "base_v", "delta_k", "delta_v")
 
 
 @dataclass(eq=False)
 class Factor:
-    """One ``[layers, S, D]`` matrix stack, stored full (``b is None``) or as ``a @ b``."""
+    """One ``[layers, S, D]`` matrix stack, stored full (``b is None``) or as ``a @ b``; low-rank
+    factors keep their row norms ``sq`` (``[S]``, summed over layers) for the distance kernel."""
 
     a: torch.Tensor
     b: torch.Tensor | None = None
+    sq: torch.Tensor | None = None
 
     @classmethod
-    def make(cls, z: torch.Tensor, rank: int | None, dtype: torch.dtype | None = None) -> Factor:
-        """Full copy (``rank=None``) or rank-``rank`` SVD factors, stored in ``dtype``."""
+    def make(cls, z: torch.Tensor, rank: int | None, dtype: torch.dtype | None = None, svd: str = "gram") -> Factor:
+        """Full copy (``rank=None``) or rank-``rank`` SVD factors (``svd``: "gram" or "exact"), in ``dtype``."""
         dtype = dtype or z.dtype
         if rank is None:
             return cls(z.to(dtype, copy=True))
-        a, b = truncated_svd(z, rank)
-        return cls(a.to(dtype), b.to(dtype))
+        a, b = (truncated_svd_gram if svd == "gram" else truncated_svd)(z, rank)
+        a = a.to(dtype)
+        return cls(a, b.to(dtype), row_sqnorms(a))
 
     @property
     def length(self) -> int:
         return self.a.shape[1]
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[-1]
 
     @property
     def nbytes(self) -> int:
@@ -63,6 +76,46 @@ class Anchor:
         n = self.base_k.nbytes + self.base_v.nbytes
         return n + sum(dk.nbytes + dv.nbytes for dk, dv in self.deltas.values())
 
+    def factor(self, part: str, consumer: str) -> Factor:
+        """``base_k``, ``base_v``, or the consumer's ``delta_k`` / ``delta_v``."""
+        if part == "base_k":
+            return self.base_k
+        if part == "base_v":
+            return self.base_v
+        return self.deltas[consumer][0 if part == "delta_k" else 1]
+
+
+@dataclass(eq=False)
+class ConsumerStack:
+    """The low-rank ``B`` factors of one consumer's anchors side by side, per part:
+    ``b[part]`` is ``[layers, sum r_v, D]`` in the order of ``anchors``."""
+
+    anchors: list[Anchor] = field(default_factory=list)
+    b: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, anchors: list[Anchor], consumer: str) -> ConsumerStack:
+        stack = cls(list(anchors))
+        if anchors:
+            stack.b = {p: torch.cat([a.factor(p, consumer).b for a in anchors], dim=1) for p in PARTS}
+        return stack
+
+    def append(self, anchor: Anchor, consumer: str) -> None:
+        self.anchors.append(anchor)
+        new = {p: anchor.factor(p, consumer).b for p in PARTS}
+        self.b = {p: torch.cat([self.b[p], new[p]], dim=1) for p in PARTS} if self.b else new
+
+    def remove(self, anchor: Anchor) -> None:
+        i = self.anchors.index(anchor)
+        lo = sum(a.base_k.rank for a in self.anchors[:i])
+        hi = lo + anchor.base_k.rank
+        self.anchors.pop(i)
+        self.b = {p: torch.cat([t[:, :lo], t[:, hi:]], dim=1) for p, t in self.b.items()} if self.anchors else {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.b.values())
+
 
 @dataclass
 class AnchorPool:
@@ -70,6 +123,8 @@ class AnchorPool:
     anchors: list[Anchor] = field(default_factory=list)
     inserted: int = 0
     evicted: int = 0
+    #: per consumer, its anchors' B factors side by side (derived: rebuilt after a resume)
+    stacks: dict[str, ConsumerStack] = field(default_factory=dict, repr=False, metadata={"transient": True})
 
     def compatible(self, consumer: str, k: int) -> list[Anchor]:
         """Anchors with a correction for ``consumer`` whose stored length is at least ``k``."""
@@ -77,6 +132,18 @@ class AnchorPool:
 
     def lengths(self, consumer: str) -> list[int]:
         return sorted((a.length for a in self.anchors if consumer in a.deltas), reverse=True)
+
+    def stacked_b(self, consumer: str, anchors: list[Anchor]) -> dict[str, torch.Tensor]:
+        """The B factors of ``anchors`` (all low-rank, all holding ``consumer``'s delta) side by side:
+        the maintained stack when they are all of the consumer's anchors, else a fresh one."""
+        stack = self.stacks.get(consumer)
+        if stack is None:
+            stack = self.stacks[consumer] = ConsumerStack.build(
+                [a for a in self.anchors if consumer in a.deltas], consumer
+            )
+        if len(stack.anchors) == len(anchors) and all(x is y for x, y in zip(stack.anchors, anchors)):
+            return stack.b
+        return ConsumerStack.build(anchors, consumer).b
 
     def add(
         self,
@@ -88,34 +155,51 @@ class AnchorPool:
         delta_v: torch.Tensor,
         rank: int | None,
         dtype: torch.dtype | None = None,
+        svd: str = "gram",
     ) -> Anchor:
         """Insert the observed correction; an anchor built from the same source gains a consumer."""
-        dk, dv = Factor.make(delta_k, rank, dtype), Factor.make(delta_v, rank, dtype)
+        dk, dv = Factor.make(delta_k, rank, dtype, svd), Factor.make(delta_v, rank, dtype, svd)
         for a in self.anchors:
             if a.source_key == source_key:
                 a.deltas[consumer] = (dk, dv)
+                self._stack_changed(a, consumer)
                 return a
         if len(self.anchors) >= self.capacity:
             self.evict()
         anchor = Anchor(
-            Factor.make(base_k, rank, dtype),
-            Factor.make(base_v, rank, dtype),
+            Factor.make(base_k, rank, dtype, svd),
+            Factor.make(base_v, rank, dtype, svd),
             source_key,
             self.inserted,
             {consumer: (dk, dv)},
         )
         self.inserted += 1
         self.anchors.append(anchor)
+        self._stack_changed(anchor, consumer)
         return anchor
+
+    def _stack_changed(self, anchor: Anchor, consumer: str) -> None:
+        """Keep ``consumer``'s stack in pool order: a new last anchor is appended, anything else
+        (a consumer added to an older anchor, a replaced delta) drops the stack until next use."""
+        stack = self.stacks.get(consumer)
+        if stack is None:
+            return
+        if anchor is self.anchors[-1] and anchor not in stack.anchors and anchor.base_k.b is not None:
+            stack.append(anchor, consumer)
+        else:
+            del self.stacks[consumer]
 
     def evict(self) -> Anchor:
         """Least frequently used among the five oldest (ties: the oldest)."""
         oldest = sorted(self.anchors, key=lambda a: a.created)[:5]
         victim = min(oldest, key=lambda a: (a.count, a.created))
         self.anchors.remove(victim)
+        for stack in self.stacks.values():
+            if victim in stack.anchors:
+                stack.remove(victim)
         self.evicted += 1
         return victim
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.anchors)
+        return sum(a.nbytes for a in self.anchors) + sum(s.nbytes for s in self.stacks.values())

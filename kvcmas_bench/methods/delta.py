@@ -20,30 +20,18 @@ from typing import ClassVar
 import torch
 
 from ..engine import SegmentContext, SegmentKV
-from ..ops.kvmath import shift_keys
 from ..ops.lowrank import (
-    canonical_keys,
     from_rows,
     gate_entropy,
+    lowrank_apply,
+    lowrank_token_sqdist,
+    rows_to_keys,
+    shift_to_rows,
     to_rows,
-    token_sqdist,
     token_weights,
-    weighted_lowrank,
 )
 from .anchors import Anchor, AnchorPool
 from .base import Method, check, state
-
-
-def stack_factors(factors: list, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack low-rank factors' first ``k`` rows: A ``[n, L, k, r]`` and B ``[n, L, r, D]``.
-
-    Anchors of segments shorter than the rank hold fewer components; they are zero-padded to the
-    largest rank (zero columns of A meet zero rows of B, so every product is unchanged).
-    """
-    r = max(f.a.shape[-1] for f in factors)
-    a = torch.stack([torch.nn.functional.pad(f.a[:, :k], (0, r - f.a.shape[-1])) for f in factors])
-    b = torch.stack([torch.nn.functional.pad(f.b, (0, 0, 0, r - f.b.shape[-2])) for f in factors])
-    return a, b
 
 
 @dataclass
@@ -69,6 +57,9 @@ class OnlineDeltaCorrection(Method):
     #: storage/GEMM dtype of anchor states: None = the model's dtype; "bfloat16" halves their
     #: memory and runs the gate/weight/apply GEMMs in bf16 (reductions stay in float32)
     anchor_dtype: str | None = None
+    #: anchor factorization: "gram" (top eigenvectors of the per-layer Gram matrix: the exact
+    #: truncated SVD at a fraction of its cost) or "exact" (a full SVD of every layer)
+    svd: str = "gram"
     pools: dict[str, AnchorPool] = state(default_factory=dict)
     stats: dict[str, int] = state(default_factory=dict)
     entropies: list[tuple[float, int]] = state(default_factory=list)
@@ -90,6 +81,7 @@ class OnlineDeltaCorrection(Method):
             self.anchor_dtype in (None, "bfloat16", "float16", "float32"),
             f"--anchor-dtype must be bfloat16, float16 or float32, got {self.anchor_dtype!r}",
         )
+        check(self.svd in ("gram", "exact"), f"svd must be 'gram' or 'exact', got {self.svd!r}")
 
     @classmethod
     def workload_defaults(cls, workload) -> dict:
@@ -119,8 +111,8 @@ class OnlineDeltaCorrection(Method):
         if ref is None:
             return ctx.dense()
         inv = ctx.engine.inv_freq
-        ref_k = to_rows(canonical_keys(ref.k, ref.start, inv))
-        ref_v = to_rows(ref.v)
+        ref_k = shift_to_rows(ref.k, -ref.start, inv)  # canonical (position-0) keys, row layout, float32
+        ref_v = to_rows(ref.v).float()
         pool = self.pools.setdefault(ctx.slot, AnchorPool(self.anchors))
         decision = self.gate(pool, ctx.consumer, ref_v, ctx.length, ctx.details)
         if decision is not None:
@@ -175,7 +167,7 @@ class OnlineDeltaCorrection(Method):
             return None
         k = min(S, lengths[1])
         cands = pool.compatible(consumer, k)
-        dist_v = self.token_sqdist(ref_v[:, :k], [a.base_v for a in cands])
+        dist_v = self.token_sqdist(pool, consumer, cands, "base_v", ref_v[:, :k])
         h, g = gate_entropy(dist_v.sum(1).sqrt(), self.temperature)
         self.entropies.append((h, S))
         details.update(compare_tokens=k, entropy=h, anchors_compared=len(cands))
@@ -191,53 +183,87 @@ class OnlineDeltaCorrection(Method):
         return GateDecision(cands, k, g, h, dist_v)
 
     @staticmethod
-    def token_sqdist(x: torch.Tensor, bases: list) -> torch.Tensor:
-        """``[n, k]`` squared distance of every token to each anchor base, summed over layers."""
+    def token_sqdist(
+        pool: AnchorPool, consumer: str, anchors: list[Anchor], part: str, x: torch.Tensor
+    ) -> torch.Tensor:
+        """``[n, k]`` squared distance of every token of ``x`` to each anchor's ``part`` (base_k or
+        base_v), summed over layers: from the factors (one GEMM with the consumer's stacked B) for
+        low-rank anchors, by reconstruction for full-dimensional ones."""
         k = x.shape[1]
-        if all(b.b is not None for b in bases):
-            return token_sqdist(x, *stack_factors(bases, k))
-        return torch.stack([(x.float() - b.rows(k).float()).square().sum(dim=(0, 2)) for b in bases])
+        factors = [a.factor(part, consumer) for a in anchors]
+        if all(f.b is not None for f in factors):
+            b_all = pool.stacked_b(consumer, anchors)[part]
+            x_sq = x.square().sum(dim=(0, 2))
+            return lowrank_token_sqdist(
+                x, x_sq, [f.a for f in factors], [f.sq for f in factors], b_all, [f.rank for f in factors]
+            )
+        return torch.stack([(x - f.rows(k).float()).square().sum(dim=(0, 2)) for f in factors])
 
-    def token_distance(self, x: torch.Tensor, bases: list, sqdist: torch.Tensor | None) -> torch.Tensor:
+    def token_distance(
+        self,
+        pool: AnchorPool,
+        consumer: str,
+        anchors: list[Anchor],
+        part: str,
+        x: torch.Tensor,
+        sqdist: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Token-wise distance to each anchor base (``[n, k]``) for the interpolation weights.
 
         Full-dimensional anchors (KVComm): mean absolute distance, as KVComm computes it. Low-rank
         anchors (KVCMAS): root-mean-square distance from the factors, which reuses the gate's GEMM
         and never reconstructs an anchor (the L1 distance would need every ``A @ B``).
         """
-        if all(b.b is not None for b in bases):
-            sq = sqdist if sqdist is not None else self.token_sqdist(x, bases)
+        if all(a.factor(part, consumer).b is not None for a in anchors):
+            sq = sqdist if sqdist is not None else self.token_sqdist(pool, consumer, anchors, part, x)
             return (sq / (x.shape[0] * x.shape[2])).sqrt()
         k = x.shape[1]
-        return torch.stack([(x.float() - b.rows(k).float()).abs().mean(dim=(0, 2)) for b in bases])
+        return torch.stack([(x - a.factor(part, consumer).rows(k).float()).abs().mean(dim=(0, 2)) for a in anchors])
 
     # ---- Eq. 8 ---------------------------------------------------------------------------------
     def correct(
         self, ctx: SegmentContext, dec: GateDecision, ref_k: torch.Tensor, ref_v: torch.Tensor
     ) -> SegmentKV | None:
-        """``align(C_ref) + sum_v w_v A_v B_v`` on the covered prefix, aligned rows beyond it."""
+        """``align(C_ref) + sum_v w_v A_v B_v`` on the covered prefix, aligned rows beyond it.
+
+        Adds the corrections into ``ref_k``/``ref_v`` in place (they are this call's own rows) once
+        both are finite; a NaN/inf correction leaves them untouched for the dense fallback.
+        """
         k = dec.k
-        out_k, out_v = ref_k.clone(), ref_v.clone()
-        for part, ref_rows, out in (("k", ref_k, out_k), ("v", ref_v, out_v)):
-            bases = [a.base_k if part == "k" else a.base_v for a in dec.anchors]
-            deltas = [a.deltas[ctx.consumer][0 if part == "k" else 1] for a in dec.anchors]
+        pool, consumer = self.pools[ctx.slot], ctx.consumer
+        corrs = []
+        for part, rows in (("k", ref_k), ("v", ref_v)):
             sq = dec.sqdist_v if part == "v" else None
-            w = token_weights(self.token_distance(ref_rows[:, :k], bases, sq), self.temperature)
-            if all(d.b is not None for d in deltas):
-                corr = weighted_lowrank(w, *stack_factors(deltas, k))
-            else:
-                corr = sum(w[i][None, :, None].to(out.dtype) * d.rows(k) for i, d in enumerate(deltas))
-            out[:, :k] += corr.to(out.dtype)
-        if not (torch.isfinite(out_k.sum()) and torch.isfinite(out_v.sum())):  # NaN/inf propagate
+            dist = self.token_distance(pool, consumer, dec.anchors, f"base_{part}", rows[:, :k], sq)
+            corrs.append(
+                self.weighted_delta(
+                    pool, consumer, dec.anchors, f"delta_{part}", token_weights(dist, self.temperature), k
+                )
+            )
+        if not all(bool(torch.isfinite(c).all()) for c in corrs):
             return None
-        heads = ctx.engine.n_kv
-        kk = shift_keys(from_rows(out_k, heads), ctx.start, ctx.engine.inv_freq)
-        kv = SegmentKV(k=kk, v=from_rows(out_v, heads), start=ctx.start, ids=tuple(ctx.segment.ids), status="corrected")
+        ref_k[:, :k] += corrs[0]
+        ref_v[:, :k] += corrs[1]
+        engine = ctx.engine
+        keys = rows_to_keys(ref_k, ctx.start, engine.inv_freq, engine.n_kv, engine.dtype)
+        values = from_rows(ref_v, engine.n_kv).to(engine.dtype)
+        kv = SegmentKV(k=keys, v=values, start=ctx.start, ids=tuple(ctx.segment.ids), status="corrected")
         if self.exact_layer0:
             ctx.write(kv)
             ctx.forward(ctx.embed(), range(ctx.length), [0], count=False)
             kv = ctx.current("corrected")
         return kv
+
+    @staticmethod
+    def weighted_delta(
+        pool: AnchorPool, consumer: str, anchors: list[Anchor], part: str, w: torch.Tensor, k: int
+    ) -> torch.Tensor:
+        """``sum_v w[v, t] Delta_v[l, t]`` on the first ``k`` rows, ``[layers, k, D]`` float32."""
+        factors = [a.factor(part, consumer) for a in anchors]
+        if all(f.b is not None for f in factors):
+            b_all = pool.stacked_b(consumer, anchors)[part]
+            return lowrank_apply(w, [f.a for f in factors], b_all, [f.rank for f in factors]).float()
+        return sum(w[i][None, :, None] * f.rows(k).float() for i, f in enumerate(factors))
 
     # ---- Eq. 12 --------------------------------------------------------------------------------
     def insert(
@@ -251,10 +277,12 @@ class OnlineDeltaCorrection(Method):
         inv_freq: torch.Tensor,
     ) -> None:
         """New anchor from a dense fallback: base = C_ref, Delta = C_j - align(C_ref) (canonical)."""
-        ex_k = to_rows(canonical_keys(exact.k, exact.start, inv_freq))
-        ex_v = to_rows(exact.v)
-        dtype = getattr(torch, self.anchor_dtype) if self.anchor_dtype else None
-        pool.add(source_key, ref_k, ref_v, consumer, ex_k - ref_k, ex_v - ref_v, self.rank, dtype)
+        ex_k = shift_to_rows(exact.k, -exact.start, inv_freq)
+        ex_v = to_rows(exact.v).float()
+        dtype = getattr(torch, self.anchor_dtype) if self.anchor_dtype else exact.k.dtype
+        ex_k -= ref_k
+        ex_v -= ref_v
+        pool.add(source_key, ref_k, ref_v, consumer, ex_k, ex_v, self.rank, dtype, self.svd)
         self._count("anchors_inserted")
 
     def state_bytes(self) -> int:

@@ -33,12 +33,75 @@ def canonical_keys(k: torch.Tensor, start: int, inv_freq: torch.Tensor) -> torch
 def truncated_svd(z: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 7 per layer: ``z ~ A @ B`` with ``A = U_r S_r`` (``[layers, S, r]``), ``B = R_r^T`` (``[layers, r, D]``).
 
-    Exact (up to float error) once ``rank >= min(S, D)``.
+    Exact (up to float error) once ``rank >= min(S, D)``. The reference decomposition: a full SVD
+    of every layer.
     """
     u, s, vh = torch.linalg.svd(z.float(), full_matrices=False)
     r = min(rank, s.shape[-1])
     a = u[..., :r] * s[..., None, :r]
     return a.to(z.dtype).contiguous(), vh[..., :r, :].to(z.dtype).contiguous()
+
+
+def truncated_svd_gram(z: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The factors of :func:`truncated_svd` from the ``D x D`` Gram matrix, batched over layers.
+
+    ``Z^T Z = R S^2 R^T``: its top-``r`` eigenvectors are the right singular vectors, so
+    ``B = R_r^T`` (orthonormal rows) and ``A = Z R_r = U_r S_r``. One GEMM over the segment
+    (``L S D^2``) plus an eigendecomposition of ``L`` small ``D x D`` matrices (float64) replaces a
+    full SVD of every ``S x D`` layer; the truncation is exact (Eckart-Young), not randomized. Used
+    when the segment is longer than ``D``; otherwise the Gram matrix is no smaller and the exact
+    SVD runs.
+    """
+    L, S, D = z.shape
+    if S <= D:
+        return truncated_svd(z, rank)
+    r = min(rank, D)
+    zf = z.float()
+    gram = torch.bmm(zf.transpose(1, 2), zf)
+    _, vecs = torch.linalg.eigh(gram.double())  # ascending eigenvalues
+    v = vecs[..., -r:].flip(-1).to(torch.float32)  # [L, D, r], largest first
+    a = torch.bmm(zf, v)
+    return a.to(z.dtype).contiguous(), v.transpose(1, 2).to(z.dtype).contiguous()
+
+
+def rope_shift_halves(inv_freq: torch.Tensor, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (``[head_dim // 2]``, float32) of the rotation by ``delta`` positions."""
+    ang = float(delta) * inv_freq.to(torch.float32)
+    return ang.cos(), ang.sin()
+
+
+def shift_to_rows(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``to_rows(shift_keys(keys, delta))`` in one pass: the rotated keys written straight into the
+    row layout ``[layers, S, kv_heads * hd]`` (float32)."""
+    L, H, S, hd = keys.shape
+    h = hd // 2
+    c, s = (t.to(keys.device) for t in rope_shift_halves(inv_freq, delta))
+    out = torch.empty(L, S, H, hd, dtype=torch.float32, device=keys.device)
+    view = out.permute(0, 2, 1, 3)
+    x1, x2 = keys[..., :h], keys[..., h:]
+    torch.mul(x1, c, out=view[..., :h])
+    view[..., :h].addcmul_(x2, s, value=-1.0)
+    torch.mul(x2, c, out=view[..., h:])
+    view[..., h:].addcmul_(x1, s)
+    return out.view(L, S, H * hd)
+
+
+def rows_to_keys(
+    rows: torch.Tensor, delta: int, inv_freq: torch.Tensor, kv_heads: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``shift_keys(from_rows(rows), delta)`` in one pass, as a contiguous ``[layers, kv_heads, S, hd]``."""
+    L, S, D = rows.shape
+    hd = D // kv_heads
+    h = hd // 2
+    c, s = (t.to(rows.device) for t in rope_shift_halves(inv_freq, delta))
+    x = rows.view(L, S, kv_heads, hd).permute(0, 2, 1, 3)
+    x1, x2 = x[..., :h], x[..., h:]
+    out = torch.empty(L, kv_heads, S, hd, dtype=torch.float32, device=rows.device)
+    torch.mul(x1, c, out=out[..., :h])
+    out[..., :h].addcmul_(x2, s, value=-1.0)
+    torch.mul(x2, c, out=out[..., h:])
+    out[..., h:].addcmul_(x1, s)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def lowrank_sqdist(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -68,17 +131,6 @@ def token_weights(dist: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return torch.softmax(-dist.float() / temperature, dim=0)
 
 
-def weighted_lowrank(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum_v w[v, t] * (A_v @ B_v)[l, t]`` as one batched GEMM over stacked factors.
-
-    w ``[n, k]``, a ``[n, layers, k, r]``, b ``[n, layers, r, D]`` -> ``[layers, k, D]``.
-    """
-    n, L, k, r = a.shape
-    aw = (a * w[:, None, :, None].to(a.dtype)).permute(1, 2, 0, 3).reshape(L, k, n * r)
-    bs = b.permute(1, 0, 2, 3).reshape(L, n * r, b.shape[-1])
-    return torch.bmm(aw, bs).float()
-
-
 def effective_rank(z: torch.Tensor, energy: float = 0.9) -> float:
     """Mean over layers of the smallest rank keeping ``energy`` of the squared singular values."""
     s = torch.linalg.svdvals(z.float())
@@ -86,23 +138,41 @@ def effective_rank(z: torch.Tensor, energy: float = 0.9) -> float:
     return float((e < energy).sum(-1).add(1).float().mean())
 
 
-def token_sqdist(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, orthonormal: bool = True) -> torch.Tensor:
-    """Per-token squared distance to each low-rank anchor, summed over layers: ``[n, k]``.
+def row_sqnorms(a: torch.Tensor) -> torch.Tensor:
+    """``sum_layers ||a[l, t]||^2`` per row ``t`` of a ``[layers, S, r]`` factor (float32, ``[S]``)."""
+    return a.float().square().sum(dim=(0, 2))
 
-    ``||x_t - a_t B||^2 = ||x_t||^2 - 2 <x_t B^T, a_t> + a_t (B B^T) a_t^T`` for every layer, with
-    all anchors' B stacked into one GEMM. The factors of :func:`truncated_svd` have orthonormal rows
-    (``B B^T = I``), so the last term is ``||a_t||^2``. x ``[layers, k, D]``, a ``[n, layers, k, r]``,
-    b ``[n, layers, r, D]``. Summing over tokens gives the gate distance of Eq. 9 squared.
+
+def lowrank_token_sqdist(
+    x: torch.Tensor, x_sq: torch.Tensor, a_list: list, a_sq: list, b_all: torch.Tensor, ranks: list[int]
+) -> torch.Tensor:
+    """``[n, k]``: ``sum_layers ||x_t - (A_v B_v)_t||^2`` for every token of ``x`` and anchor ``v``.
+
+    ``||x_t - a_t B||^2 = ||x_t||^2 - 2 a_t . (B x_t) + ||a_t||^2`` (``B`` has orthonormal rows),
+    with every anchor's ``B`` side by side in ``b_all`` (``[layers, sum r_v, D]``): one GEMM
+    ``x B_all^T`` in the factors' dtype, then per anchor one product-sum with its own ``A`` rows (no
+    stacked copy of the ``A`` factors). ``x``: ``[layers, k, D]``; ``x_sq``: ``[k]`` (summed over
+    layers); ``a_list[v]``: ``[layers, >= k, r_v]``; ``a_sq[v]``: ``[>= k]`` row norms.
     """
-    n, L, k, r = a.shape
-    bcat = b.permute(1, 0, 2, 3).reshape(L, n * r, b.shape[-1])
-    xb = torch.bmm(x.to(b.dtype), bcat.transpose(1, 2)).float()  # the GEMM runs in the factors' dtype
-    x = x.float()
-    acat = a.float().permute(1, 2, 0, 3).reshape(L, k, n * r)
-    if orthonormal:
-        quad_cross = (acat * (acat - 2 * xb)).view(L, k, n, r).sum(-1)
-    else:
-        gram = torch.matmul(b.float(), b.float().transpose(-1, -2))
-        quad = (torch.matmul(a.float(), gram) * a.float()).sum(-1).permute(1, 2, 0)
-        quad_cross = quad - 2 * (acat * xb).view(L, k, n, r).sum(-1)
-    return (x.square().sum(-1)[..., None] + quad_cross).sum(0).T.clamp_min(0.0)
+    k = x.shape[1]
+    y = torch.bmm(x.to(b_all.dtype), b_all.transpose(1, 2))
+    out = torch.empty(len(a_list), k, dtype=torch.float32, device=x.device)
+    off = 0
+    for v, (a, r) in enumerate(zip(a_list, ranks)):
+        cross = torch.mul(a[:, :k], y[:, :, off : off + r]).sum(dim=(0, 2), dtype=torch.float32)
+        out[v] = x_sq - 2.0 * cross + a_sq[v][:k]
+        off += r
+    return out.clamp_min_(0.0)
+
+
+def lowrank_apply(w: torch.Tensor, a_list: list, b_all: torch.Tensor, ranks: list[int]) -> torch.Tensor:
+    """``sum_v w[v, t] * (A_v B_v)[l, t]``, ``[layers, k, D]``: every anchor's ``A`` rows scaled by its
+    token weights straight into one ``[layers, k, sum r_v]`` buffer, then one GEMM with ``b_all``."""
+    n, k = w.shape
+    L = b_all.shape[0]
+    aw = torch.empty(L, k, b_all.shape[1], dtype=b_all.dtype, device=b_all.device)
+    off = 0
+    for v, (a, r) in enumerate(zip(a_list, ranks)):
+        torch.mul(a[:, :k], w[v][None, :, None].to(b_all.dtype), out=aw[:, :, off : off + r])
+        off += r
+    return torch.bmm(aw, b_all)

@@ -59,6 +59,8 @@ class RequestRecord:
     agent: str
     ttft_s: float
     e2e_s: float
+    #: seconds of work after the first token before decode (anchor construction), inside e2e_s
+    deferred_s: float | None = None
     sample_id: str | None = None
     step: int | None = None
     node: str | None = None

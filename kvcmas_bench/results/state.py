@@ -7,7 +7,8 @@ Layout inside a run directory::
     method_state/tensors/<key>.pt    every tensor, written once (weights-only ``torch.save``)
 
 The manifest is JSON: dataclasses (anchor pools, anchors, factors, segment caches) are stored by
-class name and fields, tensors by key. Tensors that did not change since the last sample (the pools'
+class name and fields (fields marked ``transient``, derived caches, are rebuilt instead), tensors by
+key. Tensors that did not change since the last sample (the pools'
 factors, cached references) are not written again, so a sample costs only its new tensors. Order
 per sample: write ``manifest-<n>`` (atomically), commit the sample's records (the commit point),
 then drop the older manifest and unreferenced tensors. Loading imports only dataclasses of this
@@ -82,7 +83,11 @@ class MethodStateStore:
             return {"__dict__": [[self._encode(k, n), self._encode(v, n)] for k, v in obj.items()]}
         if dataclasses.is_dataclass(obj) and type(obj).__module__.startswith(_PACKAGE):
             cls = type(obj)
-            fields = {f.name: self._encode(getattr(obj, f.name), n) for f in dataclasses.fields(obj)}
+            fields = {
+                f.name: self._encode(getattr(obj, f.name), n)
+                for f in dataclasses.fields(obj)
+                if not f.metadata.get("transient")
+            }
             return {"__dataclass__": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
         raise TypeError(f"cannot persist a {type(obj).__name__} in method state")
 
@@ -145,11 +150,14 @@ class MethodStateStore:
         if "__dataclass__" in obj:
             cls = _dataclass(obj["__dataclass__"])
             inst = cls.__new__(cls)
-            names = {f.name for f in dataclasses.fields(cls)}
+            fields = {f.name: f for f in dataclasses.fields(cls)}
             for name, value in obj["fields"].items():
-                if name not in names:
-                    raise ValueError(f"{cls.__name__} has no field {name!r}")
+                if name not in fields or fields[name].metadata.get("transient"):
+                    raise ValueError(f"{cls.__name__} has no persistent field {name!r}")
                 object.__setattr__(inst, name, self._decode(value))
+            for f in fields.values():  # derived caches start empty and are rebuilt on use
+                if f.metadata.get("transient"):
+                    object.__setattr__(inst, f.name, f.default_factory())
             return inst
         raise ValueError(f"unexpected object in method state: {sorted(obj)[:3]}")
 

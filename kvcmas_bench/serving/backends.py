@@ -193,15 +193,18 @@ class InProcessBackend:
         return TraceFlow(self.engine, method).run_unit(trace)
 
     def prepare(self, spec: MethodSpec, calibration: Sequence[Trace]) -> Method:
-        """A fresh method instance: calibrated on ``calibration`` when it needs it, then warmed up.
+        """A fresh method instance: calibrated on the held-out ``calibration`` trajectories of split
+        "calibration" when it needs it, then warmed up.
 
         Warm-up (unmeasured): methods with online state (anchor pools) run all held-out
-        trajectories so their pools do not start empty; every other method runs one request so
-        one-off initialisation stays out of the timings.
+        trajectories (calibration and "warmup" splits) so their pools are in steady state; every
+        other method runs one request so one-off initialisation stays out of the timings.
         """
         from ..calibration import collect
 
         m = spec()
+        held = list(calibration)
+        calibration = [t for t in held if t.split == "calibration"]
         if m.needs_calibration:
             if not calibration:
                 raise BenchError(f"method {spec.name!r} needs calibration trajectories (none given)")
@@ -209,12 +212,12 @@ class InProcessBackend:
             if not obs:
                 raise BenchError("calibration produced no observations (no shared segment with a source)")
             m.calibrate(obs, self.engine.n_layers)
-        if self.warmup and calibration:
+        if self.warmup and held:
             if m.learns_online:
-                for tr in calibration:
+                for tr in held:
                     self.run_trajectory(tr, m)
             else:
-                self.engine.run(calibration[0].request(0, {}), m, keep_output_kv=False)
+                self.engine.run(held[0].request(0, {}), m, keep_output_kv=False)
         self.rss_reset = reset_peaks(self.engine)
         return m
 

@@ -288,11 +288,14 @@ def build_traces(
     context_tokens: int = DEFAULT_ACCUMULATED_CONTEXT,
     calib_trajectories: int = 0,
     texts: Sequence[str] | Callable[[], Sequence[str]] | None = None,
+    warmup_trajectories: int = 0,
     roles: Sequence[Role] = ROLES,
     chat_template: bool | None = None,
     text_source: str = "mmlu",
 ) -> list[Trace]:
-    """``num_trajectories`` evaluated plus ``calib_trajectories`` held-out trajectories.
+    """``num_trajectories`` evaluated plus ``calib_trajectories`` held-out calibration trajectories
+    and ``warmup_trajectories`` held-out warm-up trajectories (split ``warmup``: run before
+    measurement so that online state is in steady state, as in a long-running service).
 
     Controlled (default): ``shared_tokens`` of non-generated context, ``output_tokens`` per agent.
     Accumulated: ``shared_tokens`` accumulated generated tokens (``// (agents - 1)`` per agent) over
@@ -323,9 +326,10 @@ def build_traces(
         specs.append(AgentSpec(role.name, agent_segments(tokenizer, role, names[:i], chat_template), per_agent))
     out: list[Trace] = []
     kind = "accumulated" if accumulated else "controlled"
-    for split, count in (("eval", num_trajectories), ("calibration", calib_trajectories)):
+    splits = (("eval", num_trajectories), ("calibration", calib_trajectories), ("warmup", warmup_trajectories))
+    for split, count in splits:
         for t in range(count):
-            ids, used = pool.take(ctx_len, from_back=split == "calibration")
+            ids, used = pool.take(ctx_len, from_back=split != "eval")
             out.append(
                 Trace(
                     id=f"{kind}-{shared_tokens}-{split}-{t}",

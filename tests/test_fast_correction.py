@@ -1,0 +1,118 @@
+"""The optimized delta correction (issue 13) against the slow reference it replaced: same caches to
+float tolerance, the incrementally maintained B stacks equal freshly stacked ones, and the Gram
+factorization equals the exact truncated SVD."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvcmas_bench.engine import Request, Segment
+from kvcmas_bench.methods import get_method
+from kvcmas_bench.methods.anchors import AnchorPool, ConsumerStack
+from kvcmas_bench.ops.kvmath import relative_error, shift_keys
+from kvcmas_bench.ops.lowrank import rows_to_keys, shift_to_rows, to_rows, truncated_svd, truncated_svd_gram
+
+from .conftest import rand_ids
+from .slow_reference import reference_correction
+
+
+def _requests(q):
+    ra = Request("A", [Segment("PF", rand_ids(6, 10)), Segment("PH", q, slot="q"), Segment("PF", rand_ids(4, 13))], 2)
+    rb = Request("B", [Segment("PF", rand_ids(9, 11)), Segment("PH", q, slot="q"), Segment("PF", rand_ids(5, 14))], 2)
+    return ra, rb
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("short", [0, 4], ids=["k=S", "k<S"])
+@pytest.mark.parametrize("rank", [3, 8])
+def test_optimized_correction_equals_the_slow_reference(engine, dtype, short, rank):
+    q = rand_ids(20, 31)
+    ra, rb = _requests(q)
+    src = engine.run(ra, get_method("nonshared")).materialized["q"]
+    S = len(q)
+    m = get_method("kvcmas", tau=1.0, rank=rank, anchor_dtype=dtype)
+    canon = torch.stack([to_rows(shift_keys(src.k, -src.start, engine.inv_freq)), to_rows(src.v)])
+    g = torch.Generator().manual_seed(9)
+    pool = AnchorPool(10)
+    n = S - short
+    for i, scale in enumerate((0.05, 0.3, 0.8)):
+        base = canon[:, :, :n] + scale * torch.randn(canon[:, :, :n].shape, generator=g)
+        dk, dv = torch.randn(base[0].shape, generator=g), torch.randn(base[0].shape, generator=g)
+        pool.add(("src", i), base[0], base[1], "B", dk, dv, rank, getattr(torch, dtype))
+    m.pools["q"] = pool
+    got = engine.run(rb, m, sources={"q": src}).materialized["q"]
+    assert got.status == "corrected"
+    ek, ev = reference_correction(src, pool.anchors, "B", got.start, engine.inv_freq, engine.n_kv, n)
+    tol = 1e-5 if dtype == "float32" else 2e-2  # bf16 GEMMs: ~3 significant digits
+    assert relative_error(got.k, ek) < tol and relative_error(got.v, ev) < tol
+    if short:  # rows beyond the covered prefix: the aligned source, exactly
+        aligned = src.aligned(got.start, engine.inv_freq)
+        assert torch.allclose(got.v[:, :, n:], aligned.v[:, :, n:])
+        assert torch.allclose(got.k[:, :, n:], aligned.k[:, :, n:], atol=1e-5)
+
+
+def _fresh_stacks(pool: AnchorPool) -> dict:
+    consumers = {c for a in pool.anchors for c in a.deltas}
+    return {c: ConsumerStack.build([a for a in pool.anchors if c in a.deltas], c) for c in consumers}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_stacks_equal_fresh_ones_after_any_inserts_and_evictions(seed):
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    pool = AnchorPool(capacity=4)
+    consumers = ["B", "C", "D"]
+    sources = []
+    for step in range(40):
+        S = rnd.choice([3, 9, 16])  # ranks differ: a 3-token segment has 3 components
+        z = torch.randn(2, S, 12, generator=g)
+        if sources and rnd.random() < 0.3:  # fan-out: another consumer of an existing source
+            key = rnd.choice(sources)
+            if not any(a.source_key == key for a in pool.anchors):
+                continue
+            z = next(a for a in pool.anchors if a.source_key == key).base_k.rows(10_000)
+        else:
+            key = ("src", step)
+            sources.append(key)
+        consumer = rnd.choice(consumers)
+        pool.add(key, z, z, consumer, 0.1 * z, 0.2 * z, rank=6)
+        for c in consumers:  # use some stacks (they are built lazily), leave others untouched
+            if rnd.random() < 0.5:
+                mine = [a for a in pool.anchors if c in a.deltas]
+                if mine:
+                    pool.stacked_b(c, mine)
+        fresh = _fresh_stacks(pool)
+        for c, stack in pool.stacks.items():
+            expected = fresh.get(c, ConsumerStack())  # every anchor of c evicted: an empty stack
+            assert [id(a) for a in stack.anchors] == [id(a) for a in expected.anchors]
+            assert sorted(stack.b) == sorted(expected.b)
+            for p in stack.b:
+                assert torch.equal(stack.b[p], expected.b[p])
+    assert pool.evicted > 0
+
+
+def test_gram_factorization_equals_the_exact_truncated_svd():
+    torch.manual_seed(0)
+    for S, D, r in ((400, 48, 8), (400, 48, 48), (30, 48, 8), (64, 64, 16)):
+        z = torch.randn(3, S, D) @ torch.randn(3, D, D) * torch.linspace(0.1, 3.0, D)
+        a1, b1 = truncated_svd(z, r)
+        a2, b2 = truncated_svd_gram(z, r)
+        e1 = relative_error(torch.bmm(a1, b1), z)
+        e2 = relative_error(torch.bmm(a2, b2), z)
+        assert abs(e1 - e2) < 1e-4, (S, D, r, e1, e2)
+        assert relative_error(torch.bmm(a2, b2), torch.bmm(a1, b1)) < 1e-3
+        eye = torch.eye(b2.shape[1]).expand(3, -1, -1)
+        assert torch.allclose(torch.bmm(b2, b2.transpose(1, 2)), eye, atol=1e-4)  # orthonormal rows
+
+
+def test_fused_rotation_layouts_equal_rotate_then_permute():
+    torch.manual_seed(1)
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    k = torch.randn(3, 2, 37, 16)
+    rows = shift_to_rows(k, -11, inv)
+    assert torch.allclose(rows, to_rows(shift_keys(k, -11, inv)), atol=1e-6)
+    back = rows_to_keys(rows, 11, inv, 2, torch.float32)
+    assert back.is_contiguous() and torch.allclose(back, k, atol=1e-5)
