@@ -169,12 +169,24 @@ def saturation_note(summary: dict) -> str | None:
     cap = summary.get("capacity") or {}
     if not sat:
         return None
-    worst = max(sat, key=lambda r: r["utilization"])
-    text = (
-        f"! saturated: {len(sat)} of {len(summary['rows'])} points offer load >= 1 (up to "
-        f"{worst['utilization']:.1f}x what the server serves); the queue grows without bound and their "
-        "percentiles grow with the trace length."
-    )
+    offered = [r for r in sat if r.get("utilization") is not None]
+    if offered:
+        worst = max(offered, key=lambda r: r["utilization"])
+        text = (
+            f"! saturated: {len(sat)} of {len(summary['rows'])} points offer load >= 1 (up to "
+            f"{worst['utilization']:.1f}x what the server serves); the queue grows without bound and their "
+            "percentiles grow with the trace length."
+        )
+    else:
+        worst = max(sat, key=lambda r: r.get("drain_ratio") or 0.0)
+        text = (
+            f"! saturated: at {len(sat)} of {len(summary['rows'])} points trajectories complete more spread out "
+            f"than they arrive (drain ratio up to {worst.get('drain_ratio') or 0:.2f}, util column marked *): the "
+            "server falls behind the offered rate."
+        )
+    for shared, c in cap.items():
+        if c.get("nonshared_capacity_qps") is None and c.get("nonshared_max_stable_qps") is not None:
+            text += f" NonShared keeps up at {c['nonshared_max_stable_qps']:g} QPS at {shared} shared tokens."
     for shared, c in cap.items():
         if c.get("nonshared_capacity_qps") is not None:
             text += f" NonShared sustains < {c['nonshared_capacity_qps']:.3g} QPS at {shared} shared tokens"
@@ -187,7 +199,12 @@ def saturation_note(summary: dict) -> str | None:
 def print_sweep_table(summary: dict, console: Console) -> None:
     rows = []
     for r in summary["rows"]:
-        u = f"{r['utilization']:.2f}" if r.get("utilization") is not None else "-"
+        if r.get("utilization") is not None:
+            u = f"{r['utilization']:.2f}"
+        elif r.get("drain_ratio") is not None:  # served for real: the drain ratio stands in
+            u = f"{r['drain_ratio']:.2f}*"
+        else:
+            u = "-"
         rows.append({**r, "util_cell": f"[bold red]{u}![/]" if r.get("saturated") else u})
     title = (
         f"serve-sweep, TTFT in s under load ({summary.get('model')}; {summary.get('device', '?')}; engine "

@@ -124,7 +124,7 @@ class OnlineDeltaCorrection(Method):
         pool = self.pools.setdefault(ctx.slot, AnchorPool(self.anchors))
         decision = self.gate(pool, ctx.consumer, ref_v, ctx.length, ctx.details)
         if decision is not None:
-            kv = self.correct(ctx, decision, ref_k, ref_v)
+            kv = self.correct(ctx, decision, ref_k, ref_v, ref)
             if kv is not None:
                 self._count("accepted")
                 return kv
@@ -213,7 +213,12 @@ class OnlineDeltaCorrection(Method):
 
     # ---- Eq. 8 ---------------------------------------------------------------------------------
     def correct(
-        self, ctx: SegmentContext, dec: GateDecision, ref_k: torch.Tensor, ref_v: torch.Tensor
+        self,
+        ctx: SegmentContext,
+        dec: GateDecision,
+        ref_k: torch.Tensor,
+        ref_v: torch.Tensor,
+        ref: SegmentKV | None = None,
     ) -> SegmentKV | None:
         """``align(C_ref) + sum_v w_v A_v B_v`` on the covered prefix, aligned rows beyond it."""
         k = dec.k
@@ -234,9 +239,7 @@ class OnlineDeltaCorrection(Method):
         kk = shift_keys(from_rows(out_k, heads), ctx.start, ctx.engine.inv_freq)
         kv = SegmentKV(k=kk, v=from_rows(out_v, heads), start=ctx.start, ids=tuple(ctx.segment.ids), status="corrected")
         if self.exact_layer0:
-            ctx.write(kv)
-            ctx.forward(ctx.embed(), range(ctx.length), [0], count=False)
-            kv = ctx.current("corrected")
+            kv = ctx.exact_layer0(kv, ref)
         return kv
 
     # ---- Eq. 12 --------------------------------------------------------------------------------

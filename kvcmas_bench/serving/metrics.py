@@ -23,7 +23,11 @@ DEFINITIONS = {
     "service_ttft_mean_s / service_e2e_mean_s": "measured in isolation (engine ttft_s / e2e_s; TTFT includes "
     "correction and reference-prefill work)",
     "trajectory_service_mean_s": "sum of the 4 agents' measured E2E, mean over trajectories",
-    "utilization": "offered load = qps x trajectory_service_mean_s (None for single stream); >= 1 saturates",
+    "utilization": "offered load = qps x trajectory_service_mean_s (None for single stream, and for engines that "
+    "serve for real without isolated service times); >= 1 saturates",
+    "drain_ratio": "(last - first trajectory completion) / (last - first trajectory arrival): about 1 while the "
+    "server keeps up, about offered load / capacity when it does not; for engines without service times "
+    "(vLLM) a point is saturated when it exceeds 1.25",
     "busy_fraction": "total service time / makespan",
     "makespan_s": "last completion - first arrival on the virtual clock",
     "throughput_req_s / throughput_tok_s": "agent requests / generated tokens per second of makespan",
@@ -71,8 +75,26 @@ def served_metrics(served: Sequence[RequestRecord], qps: float) -> dict:
     # offered load of the open-loop arrivals; single stream (qps 0) has none
     mean_traj = row["trajectory_service_mean_s"]
     row["utilization"] = qps * mean_traj if qps > 0 and mean_traj is not None else None
-    row["saturated"] = bool(row["utilization"] is not None and row["utilization"] >= 1.0)
+    row["drain_ratio"] = drain_ratio(by_traj.values()) if qps > 0 else None
+    if row["utilization"] is not None:
+        row["saturated"] = bool(row["utilization"] >= 1.0)
+    else:
+        row["saturated"] = bool(row["drain_ratio"] is not None and row["drain_ratio"] > DRAIN_LIMIT)
     return row
+
+
+#: a served-for-real point whose trajectories complete this much more spread out than they arrive
+DRAIN_LIMIT = 1.25
+
+
+def drain_ratio(trajectories) -> float | None:
+    """Completion span / arrival span of the trajectories (None for fewer than two)."""
+    spans = [(min(r.arrival_s for r in rs), max(r.completion_s for r in rs)) for rs in trajectories if rs]
+    if len(spans) < 2:
+        return None
+    arr = max(a for a, _ in spans) - min(a for a, _ in spans)
+    done = max(c for _, c in spans) - min(c for _, c in spans)
+    return done / arr if arr > 0 else None
 
 
 def load_metrics(requests: Sequence[RequestRecord]) -> dict:
