@@ -210,7 +210,11 @@ def print_sweep_table(summary: dict, console: Console) -> None:
         f"serve-sweep, TTFT in s under load ({summary.get('model')}; {summary.get('device', '?')}; engine "
         f"{summary.get('engine')}; QPS = trajectory starts/s, 0 = single stream)"
     )
-    console.print(fitted_table(console, title, SWEEP_COLUMNS, rows, saturation_note(summary), "summary.json"))
+    note = saturation_note(summary)
+    if any(r.get("utilization") is None and r.get("drain_ratio") is not None for r in summary["rows"]):
+        drain = "* util = drain ratio (served for real: trajectory completion span / arrival span; > 1.25 saturated)"
+        note = drain if note is None else drain + "\n" + note
+    console.print(fitted_table(console, title, SWEEP_COLUMNS, rows, note, "summary.json"))
 
 
 class SuiteProgress:
