@@ -250,7 +250,9 @@ def test_missing_vllm_is_one_line_with_the_install_hint(tmp_path, capsys):
 
 
 # ---- on vLLM -----------------------------------------------------------------------------------
-ENGINE_ARGS = {"prefix_caching": "true", "kv_cache_gib": "1"}
+# a small step budget: every prompt longer than 64 tokens is prefilled in chunks, so claims,
+# overrides and captures are all exercised across chunk boundaries
+ENGINE_ARGS = {"prefix_caching": "true", "kv_cache_gib": "1", "max_num_batched_tokens": "64", "max_num_seqs": "8"}
 
 
 @pytest.fixture(scope="session")
@@ -356,7 +358,9 @@ def test_scheduler_claims_the_planned_prefix_and_schedules_only_the_rest(vb):
             got = _submit(vb, key, prompt, Plan(prefix=(full.k[:, :, :n], full.v[:, :, :n])), salt=key)
             claimed = min(n, len(prompt) - 1)
             assert got["cached"] == claimed
-            assert got["steps"][0] == (claimed, len(prompt) - claimed)  # only the rest is scheduled
+            # only the rest is scheduled (in chunks of <= 64), then one decode step
+            assert got["steps"][0][0] == claimed
+            assert sum(n for _, n in got["steps"]) == len(prompt) - claimed + 1
             assert got["tokens"][0] == dense["tokens"][0] and _same_logprobs(got["lp"], dense["lp"])
     finally:
         STORE.record_steps = False
@@ -365,13 +369,19 @@ def test_scheduler_claims_the_planned_prefix_and_schedules_only_the_rest(vb):
 @needs_vllm
 def test_overrides_replace_a_mid_prompt_range_before_attention(vb):
     from kvcmas_bench.serving.vllm.client import fetch_kv
-    from kvcmas_bench.serving.vllm.plan import Plan
+    from kvcmas_bench.serving.vllm.plan import STORE, Plan
 
     prompt = _traces(vb, 1, seed=6)[0].context_ids[:100]
     dense = _submit(vb, "ovr-dense", prompt)
     full = fetch_kv(vb.engine, vb.rt, prompt, vb.engine.forget)
     a, b = 37, 81
-    exact = _submit(vb, "ovr-exact", prompt, Plan(overrides=[(a, full.k[:, :, a:b], full.v[:, :, a:b])]), salt="x1")
+    STORE.record_steps = True
+    try:
+        plan = Plan(overrides=[(a, full.k[:, :, a:b], full.v[:, :, a:b])])
+        exact = _submit(vb, "ovr-exact", prompt, plan, salt="x1")
+    finally:
+        STORE.record_steps = False
+    assert exact["steps"][0] == (0, 64) and exact["steps"][1][0] == 64  # [37, 81) spans two prefill chunks
     assert exact["tokens"][0] == dense["tokens"][0] and _same_logprobs(exact["lp"], dense["lp"])
     zeros = torch.zeros_like(full.k[:, :, a:b])
     wrong = _submit(vb, "ovr-zero", prompt, Plan(overrides=[(a, zeros, zeros)]), salt="x2")
