@@ -178,11 +178,9 @@ def saturation_note(summary: dict) -> str | None:
             "percentiles grow with the trace length."
         )
     else:
-        worst = max(sat, key=lambda r: r.get("drain_ratio") or 0.0)
         text = (
-            f"! saturated: at {len(sat)} of {len(summary['rows'])} points trajectories complete more spread out "
-            f"than they arrive (drain ratio up to {worst.get('drain_ratio') or 0:.2f}, util column marked *): the "
-            "server falls behind the offered rate."
+            f"! saturated: at {len(sat)} of {len(summary['rows'])} points the server falls behind the offered rate "
+            "(util column marked *)."
         )
     for shared, c in cap.items():
         if c.get("nonshared_capacity_qps") is None and c.get("nonshared_max_stable_qps") is not None:
@@ -201,7 +199,9 @@ def print_sweep_table(summary: dict, console: Console) -> None:
     for r in summary["rows"]:
         if r.get("utilization") is not None:
             u = f"{r['utilization']:.2f}"
-        elif r.get("drain_ratio") is not None:  # served for real: the drain ratio stands in
+        elif r.get("latency_inflation") is not None:  # served for real: latency vs single stream
+            u = f"{r['latency_inflation']:.2f}*"
+        elif r.get("drain_ratio") is not None:  # ... or the drain ratio without a single-stream point
             u = f"{r['drain_ratio']:.2f}*"
         else:
             u = "-"
@@ -211,9 +211,15 @@ def print_sweep_table(summary: dict, console: Console) -> None:
         f"{summary.get('engine')}; QPS = trajectory starts/s, 0 = single stream)"
     )
     note = saturation_note(summary)
-    if any(r.get("utilization") is None and r.get("drain_ratio") is not None for r in summary["rows"]):
-        drain = "* util = drain ratio (served for real: trajectory completion span / arrival span; > 1.25 saturated)"
-        note = drain if note is None else drain + "\n" + note
+    served = [r for r in summary["rows"] if r.get("utilization") is None and r["qps"] > 0]
+    if served:
+        what = (
+            "trajectory latency / single-stream latency, > 2 saturated"
+            if any(r.get("latency_inflation") is not None for r in served)
+            else "drain ratio = trajectory completion span / arrival span, > 1.25 saturated"
+        )
+        star = f"* served for real: util = {what}"
+        note = star if note is None else star + "\n" + note
     console.print(fitted_table(console, title, SWEEP_COLUMNS, rows, note, "summary.json"))
 
 

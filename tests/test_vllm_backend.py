@@ -214,22 +214,29 @@ def test_client_single_stream_runs_one_trajectory_after_another():
         assert nxt.arrival_s == pytest.approx(prev.completion_s)
 
 
-def test_saturation_of_served_timelines_is_judged_by_the_drain_ratio():
-    """Without isolated service times (vLLM) a point is saturated when trajectories complete more
-    spread out than they arrive."""
+def test_saturation_of_served_timelines_is_judged_against_the_single_stream():
+    """Without isolated service times (vLLM) a point is saturated when its trajectories take more than
+    twice their single-stream latency; without a single-stream point, when they complete more spread
+    out than they arrive (drain ratio)."""
     from kvcmas_bench.results.request import RequestRecord
-    from kvcmas_bench.serving.metrics import served_metrics
+    from kvcmas_bench.serving.metrics import mark_saturation, sweep_row
 
-    def recs(done_gap):
+    def recs(qps, done_gap, latency):
         return [
-            RequestRecord("A", 0.1, 0.2, trajectory=f"t{i}", arrival_s=i, completion_s=i * done_gap + 1, qps=1.0)
+            RequestRecord("A", 0.1, 0.2, trajectory=f"t{i}", arrival_s=i, completion_s=i * done_gap + latency, qps=qps)
             for i in range(5)
         ]
 
-    keeps_up, behind = served_metrics(recs(1.0), 1.0), served_metrics(recs(2.0), 1.0)
-    assert keeps_up["utilization"] is None and keeps_up["drain_ratio"] == pytest.approx(1.0)
-    assert not keeps_up["saturated"]
-    assert behind["drain_ratio"] == pytest.approx(2.0) and behind["saturated"]
+    rows = [
+        sweep_row("m", 8, 0.0, recs(0.0, 1.0, 1.0)),
+        sweep_row("m", 8, 1.0, recs(1.0, 1.0, 1.5)),
+        sweep_row("m", 8, 2.0, recs(2.0, 2.0, 1.0)),  # completions spread out: latency 1, 2, ... 5
+    ]
+    assert rows[1]["utilization"] is None and rows[1]["drain_ratio"] == pytest.approx(1.0)
+    assert rows[2]["drain_ratio"] == pytest.approx(2.0) and rows[2]["saturated"]  # the fallback rule
+    mark_saturation(rows)
+    assert rows[1]["latency_inflation"] == pytest.approx(1.5) and not rows[1]["saturated"]
+    assert rows[2]["latency_inflation"] == pytest.approx(3.0) and rows[2]["saturated"]
 
 
 # ---- refusals before anything loads ------------------------------------------------------------

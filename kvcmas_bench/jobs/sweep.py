@@ -34,7 +34,7 @@ from ..results.records import read_jsonl_objects, write_json
 from ..results.request import RequestRecord
 from ..serving.arrivals import arrival_times, check_rate
 from ..serving.backends import BACKEND_LIMITS, Backend, check_backend, get_backend, replay_all
-from ..serving.metrics import DEFINITIONS, QPS_UNIT, capacity, sweep_row
+from ..serving.metrics import DEFINITIONS, QPS_UNIT, capacity, mark_saturation, sweep_row
 from ..serving.traces import DEFAULT_ACCUMULATED_CONTEXT, N_AGENTS, Trace, build_traces, dump_traces, load_traces
 
 # settings that change measured service times: a resumed output directory must match them
@@ -407,6 +407,7 @@ def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, con
             rows.append(sweep_row(method, shared, q, served))
             requests.extend(r.to_dict() for r in served)
     _write_jsonl(out_dir / "requests.jsonl", requests)
+    mark_saturation(rows)
     summary = {
         "server": config.get("server"),
         "engine": config.get("backend"),
@@ -421,7 +422,7 @@ def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, con
         "rows": rows,
         # saturated points (utilization >= 1: unstable queue) and the QPS NonShared can sustain
         "saturated": [
-            {k: r.get(k) for k in ("method", "shared_tokens", "qps", "utilization", "drain_ratio")}
+            {k: r.get(k) for k in ("method", "shared_tokens", "qps", "utilization", "latency_inflation", "drain_ratio")}
             for r in rows
             if r["saturated"]
         ],

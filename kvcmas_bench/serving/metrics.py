@@ -25,9 +25,12 @@ DEFINITIONS = {
     "trajectory_service_mean_s": "sum of the 4 agents' measured E2E, mean over trajectories",
     "utilization": "offered load = qps x trajectory_service_mean_s (None for single stream, and for engines that "
     "serve for real without isolated service times); >= 1 saturates",
-    "drain_ratio": "(last - first trajectory completion) / (last - first trajectory arrival): about 1 while the "
-    "server keeps up, about offered load / capacity when it does not; for engines without service times "
-    "(vLLM) a point is saturated when it exceeds 1.25",
+    "trajectory_latency_mean_s": "last agent's completion - first agent's arrival, mean over trajectories",
+    "latency_inflation": "engines without isolated service times (vLLM): trajectory_latency_mean_s / the same at "
+    "QPS 0 (single stream) of the same method and shared length; > 2 = saturated (the server no longer keeps "
+    "trajectories within twice their unloaded latency)",
+    "drain_ratio": "(last - first trajectory completion) / (last - first trajectory arrival); judges saturation "
+    "(> 1.25) only for engines without service times when no single-stream point was served",
     "busy_fraction": "total service time / makespan",
     "makespan_s": "last completion - first arrival on the virtual clock",
     "throughput_req_s / throughput_tok_s": "agent requests / generated tokens per second of makespan",
@@ -67,6 +70,9 @@ def served_metrics(served: Sequence[RequestRecord], qps: float) -> dict:
     row["queue_mean_s"] = _mean([r.queue_s for r in served])
     row["service_ttft_mean_s"] = _mean([r.service_ttft_s for r in served])
     row["service_e2e_mean_s"] = _mean(service)
+    row["trajectory_latency_mean_s"] = float(
+        np.mean([max(r.completion_s for r in rs) - min(r.arrival_s for r in rs) for rs in by_traj.values()])
+    )
     row["trajectory_service_mean_s"] = float(np.mean(traj_service)) if traj_service else None
     row["makespan_s"] = makespan
     row["throughput_req_s"] = len(served) / makespan if makespan > 0 else None
@@ -85,6 +91,22 @@ def served_metrics(served: Sequence[RequestRecord], qps: float) -> dict:
 
 #: a served-for-real point whose trajectories complete this much more spread out than they arrive
 DRAIN_LIMIT = 1.25
+#: a served-for-real point whose trajectories take this much longer than in a single stream
+LATENCY_LIMIT = 2.0
+
+
+def mark_saturation(rows: Sequence[dict]) -> None:
+    """Saturation of rows served for real (no utilization): trajectory latency more than
+    ``LATENCY_LIMIT`` x the single-stream latency of the same method and shared length (when that
+    point was served; else the drain ratio rule of :func:`served_metrics` stands)."""
+    single = {(r["method"], r["shared_tokens"]): r for r in rows if r["qps"] == 0}
+    for r in rows:
+        if r.get("utilization") is not None or r["qps"] <= 0:
+            continue
+        ref = single.get((r["method"], r["shared_tokens"]))
+        if ref is not None and ref.get("trajectory_latency_mean_s"):
+            r["latency_inflation"] = r["trajectory_latency_mean_s"] / ref["trajectory_latency_mean_s"]
+            r["saturated"] = bool(r["latency_inflation"] > LATENCY_LIMIT)
 
 
 def drain_ratio(trajectories) -> float | None:
