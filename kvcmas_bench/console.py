@@ -194,15 +194,19 @@ def saturation_note(summary: dict) -> str | None:
     return text
 
 
+def _served(row: dict) -> bool:
+    """A point served for real (no isolated service times): its util column is estimated."""
+    return bool(row.get("utilization_basis") or (row.get("utilization") is None and row.get("drain_ratio")))
+
+
 def print_sweep_table(summary: dict, console: Console) -> None:
     rows = []
     for r in summary["rows"]:
+        star = "*" if _served(r) else ""
         if r.get("utilization") is not None:
-            u = f"{r['utilization']:.2f}"
-        elif r.get("latency_inflation") is not None:  # served for real: latency vs single stream
-            u = f"{r['latency_inflation']:.2f}*"
-        elif r.get("drain_ratio") is not None:  # ... or the drain ratio without a single-stream point
-            u = f"{r['drain_ratio']:.2f}*"
+            u = f"{r['utilization']:.2f}{star}"
+        elif r.get("drain_ratio") is not None:  # served for real without a single-stream point
+            u = f"{r['drain_ratio']:.2f}{star}"
         else:
             u = "-"
         rows.append({**r, "util_cell": f"[bold red]{u}![/]" if r.get("saturated") else u})
@@ -211,11 +215,11 @@ def print_sweep_table(summary: dict, console: Console) -> None:
         f"{summary.get('engine')}; QPS = trajectory starts/s, 0 = single stream)"
     )
     note = saturation_note(summary)
-    served = [r for r in summary["rows"] if r.get("utilization") is None and r["qps"] > 0]
+    served = [r for r in summary["rows"] if _served(r)]
     if served:
         what = (
-            "trajectory latency / single-stream latency, > 2 saturated"
-            if any(r.get("latency_inflation") is not None for r in served)
+            "QPS x single-stream trajectory latency (the server may sustain more by batching)"
+            if any(r.get("utilization_basis") for r in served)
             else "drain ratio = trajectory completion span / arrival span, > 1.25 saturated"
         )
         star = f"* served for real: util = {what}"

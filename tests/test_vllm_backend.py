@@ -214,12 +214,12 @@ def test_client_single_stream_runs_one_trajectory_after_another():
         assert nxt.arrival_s == pytest.approx(prev.completion_s)
 
 
-def test_saturation_of_served_timelines_is_judged_against_the_single_stream():
-    """Without isolated service times (vLLM) a point is saturated when its trajectories take more than
-    twice their single-stream latency; without a single-stream point, when they complete more spread
-    out than they arrive (drain ratio)."""
+def test_served_timelines_take_their_utilization_from_the_single_stream():
+    """Without isolated service times (vLLM) utilization = QPS x the single-stream trajectory latency
+    of the same method (the in-process definition); without a single-stream point a point is
+    saturated when its trajectories complete more spread out than they arrive (drain ratio)."""
     from kvcmas_bench.results.request import RequestRecord
-    from kvcmas_bench.serving.metrics import mark_saturation, sweep_row
+    from kvcmas_bench.serving.metrics import capacity, mark_saturation, sweep_row
 
     def recs(qps, done_gap, latency):
         return [
@@ -228,15 +228,18 @@ def test_saturation_of_served_timelines_is_judged_against_the_single_stream():
         ]
 
     rows = [
-        sweep_row("m", 8, 0.0, recs(0.0, 1.0, 1.0)),
-        sweep_row("m", 8, 1.0, recs(1.0, 1.0, 1.5)),
-        sweep_row("m", 8, 2.0, recs(2.0, 2.0, 1.0)),  # completions spread out: latency 1, 2, ... 5
+        sweep_row("nonshared", 8, 0.0, recs(0.0, 1.0, 2.0)),
+        sweep_row("nonshared", 8, 0.25, recs(0.25, 1.0, 3.0)),
+        sweep_row("nonshared", 8, 0.5, recs(0.5, 2.0, 1.0)),  # completions spread out
     ]
     assert rows[1]["utilization"] is None and rows[1]["drain_ratio"] == pytest.approx(1.0)
     assert rows[2]["drain_ratio"] == pytest.approx(2.0) and rows[2]["saturated"]  # the fallback rule
     mark_saturation(rows)
-    assert rows[1]["latency_inflation"] == pytest.approx(1.5) and not rows[1]["saturated"]
-    assert rows[2]["latency_inflation"] == pytest.approx(3.0) and rows[2]["saturated"]
+    assert rows[1]["utilization"] == pytest.approx(0.5) and not rows[1]["saturated"]
+    assert rows[1]["latency_inflation"] == pytest.approx(1.5)
+    assert rows[2]["utilization"] == pytest.approx(1.0) and rows[2]["saturated"]
+    cap = capacity(rows)[8]
+    assert cap["nonshared_capacity_qps"] == pytest.approx(0.5) and cap["nonshared_max_stable_qps"] == 0.25
 
 
 # ---- refusals before anything loads ------------------------------------------------------------

@@ -26,9 +26,11 @@ DEFINITIONS = {
     "utilization": "offered load = qps x trajectory_service_mean_s (None for single stream, and for engines that "
     "serve for real without isolated service times); >= 1 saturates",
     "trajectory_latency_mean_s": "last agent's completion - first agent's arrival, mean over trajectories",
-    "latency_inflation": "engines without isolated service times (vLLM): trajectory_latency_mean_s / the same at "
-    "QPS 0 (single stream) of the same method and shared length; > 2 = saturated (the server no longer keeps "
-    "trajectories within twice their unloaded latency)",
+    "utilization (served for real)": "engines without isolated service times (vLLM): qps x the mean trajectory "
+    "latency of the QPS 0 (single stream) point of the same method and shared length, i.e. the in-process "
+    "definition with the single stream as service time; a batching server's capacity is at least the "
+    "single-stream rate, so < 1 is sustainable (it may sustain more)",
+    "latency_inflation": "trajectory_latency_mean_s / the same at QPS 0 (informational)",
     "drain_ratio": "(last - first trajectory completion) / (last - first trajectory arrival); judges saturation "
     "(> 1.25) only for engines without service times when no single-stream point was served",
     "busy_fraction": "total service time / makespan",
@@ -91,22 +93,23 @@ def served_metrics(served: Sequence[RequestRecord], qps: float) -> dict:
 
 #: a served-for-real point whose trajectories complete this much more spread out than they arrive
 DRAIN_LIMIT = 1.25
-#: a served-for-real point whose trajectories take this much longer than in a single stream
-LATENCY_LIMIT = 2.0
 
 
 def mark_saturation(rows: Sequence[dict]) -> None:
-    """Saturation of rows served for real (no utilization): trajectory latency more than
-    ``LATENCY_LIMIT`` x the single-stream latency of the same method and shared length (when that
-    point was served; else the drain ratio rule of :func:`served_metrics` stands)."""
+    """Utilization of rows served for real (no isolated service times): qps x the single-stream
+    trajectory latency of the same method and shared length, when the QPS 0 point was served
+    (saturated at >= 1, as in-process); without it the drain-ratio rule of :func:`served_metrics`
+    stands."""
     single = {(r["method"], r["shared_tokens"]): r for r in rows if r["qps"] == 0}
     for r in rows:
         if r.get("utilization") is not None or r["qps"] <= 0:
             continue
         ref = single.get((r["method"], r["shared_tokens"]))
         if ref is not None and ref.get("trajectory_latency_mean_s"):
+            r["utilization"] = r["qps"] * ref["trajectory_latency_mean_s"]
+            r["utilization_basis"] = "single-stream trajectory latency"
             r["latency_inflation"] = r["trajectory_latency_mean_s"] / ref["trajectory_latency_mean_s"]
-            r["saturated"] = bool(r["latency_inflation"] > LATENCY_LIMIT)
+            r["saturated"] = bool(r["utilization"] >= 1.0)
 
 
 def drain_ratio(trajectories) -> float | None:
@@ -161,6 +164,8 @@ def capacity(rows: Sequence[dict], reference: str = "nonshared") -> dict:
         c = out.setdefault(r["shared_tokens"], {"nonshared_capacity_qps": None, "nonshared_max_stable_qps": None})
         if r.get("trajectory_service_mean_s"):
             c["nonshared_capacity_qps"] = 1.0 / r["trajectory_service_mean_s"]
+        elif r["qps"] == 0 and r.get("trajectory_latency_mean_s"):  # served for real: the single stream
+            c["nonshared_capacity_qps"] = 1.0 / r["trajectory_latency_mean_s"]
         if r["qps"] > 0 and not r.get("saturated"):
             c["nonshared_max_stable_qps"] = max(r["qps"], c["nonshared_max_stable_qps"] or 0.0)
     return out
