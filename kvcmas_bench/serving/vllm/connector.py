@@ -110,7 +110,7 @@ class KVCMASConnector(KVConnectorBase_V1):
         ext = self._inject.pop(req_id, 0)
         if STORE.record_steps:
             STORE.steps.setdefault(key, []).append((start, n))
-        return _Step(key, self._blocks[req_id], start, n, (start - ext, start) if ext else None)
+        return _Step(key, list(self._blocks[req_id]), start, n, (start - ext, start) if ext else None)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = KVCMASMeta()
