@@ -200,6 +200,18 @@ def _floats(flag: str, v: str) -> list[float]:
         raise BenchError(f"{flag} takes comma-separated numbers, got {v!r}") from None
 
 
+def _pairs(flag: str, items: list[str] | None) -> dict[str, str] | None:
+    """``["a=1", "b-c=x"]`` -> ``{"a": "1", "b_c": "x"}``; None when no item was given."""
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise BenchError(f"{flag} takes KEY=VALUE, got {item!r}")
+        out[key] = value.strip()
+    return out or None
+
+
 def _ints(flag: str, v: str) -> list[int]:
     try:
         return [int(x) for x in v.split(",") if x.strip()]
@@ -244,11 +256,18 @@ def serve_sweep_cmd(
     engine: str = typer.Option(
         "in-process", "--engine", "--backend", help="Serving backend (see `kvcmas-bench backends`)."
     ),
+    engine_arg: list[str] | None = typer.Option(
+        None,
+        "--engine-arg",
+        help="Engine option KEY=VALUE (repeatable); vllm: block_size, kv_cache_gib, max_num_seqs, "
+        "max_num_batched_tokens, max_model_len, prefix_caching, gpu_memory_utilization.",
+    ),
 ) -> None:
     """Serve controlled 4-agent traces with every method across QPS. The in-process engine measures
     each request once (one request at a time) and replays Poisson arrivals at every QPS on a
-    virtual-clock FCFS server; writes requests.jsonl, summary.json (TTFT p50/p90/p99 ...) and
-    TTFT-vs-QPS plots."""
+    virtual-clock FCFS server; --engine vllm serves them for real with continuous batching (a KV
+    connector injects the shared caches). Writes requests.jsonl, summary.json (TTFT p50/p90/p99 ...)
+    and TTFT-vs-QPS plots."""
     from .jobs.sweep import serve_sweep
 
     serve_sweep(
@@ -268,6 +287,7 @@ def serve_sweep_cmd(
         calib_trajectories=calib_trajectories,
         warmup_trajectories=warmup_trajectories,
         backend=engine,
+        engine_options=_pairs("--engine-arg", engine_arg),
         method_args=knob_args(method_arg, tau=tau, rank=rank, anchors=anchors, rho=rho, anchor_dtype=anchor_dtype),
     )
     err.print(f"results in {output_path}/ (summary.json, requests.jsonl, service.jsonl, traces.jsonl, plots)")

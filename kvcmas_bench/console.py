@@ -170,12 +170,22 @@ def saturation_note(summary: dict) -> str | None:
     cap = summary.get("capacity") or {}
     if not sat:
         return None
-    worst = max(sat, key=lambda r: r["utilization"])
-    text = (
-        f"! saturated: {len(sat)} of {len(summary['rows'])} points offer load >= 1 (up to "
-        f"{worst['utilization']:.1f}x what the server serves); the queue grows without bound and their "
-        "percentiles grow with the trace length."
-    )
+    offered = [r for r in sat if r.get("utilization") is not None]
+    if offered:
+        worst = max(offered, key=lambda r: r["utilization"])
+        text = (
+            f"! saturated: {len(sat)} of {len(summary['rows'])} points offer load >= 1 (up to "
+            f"{worst['utilization']:.1f}x what the server serves); the queue grows without bound and their "
+            "percentiles grow with the trace length."
+        )
+    else:
+        text = (
+            f"! saturated: at {len(sat)} of {len(summary['rows'])} points the server falls behind the offered rate "
+            "(util column marked *)."
+        )
+    for shared, c in cap.items():
+        if c.get("nonshared_capacity_qps") is None and c.get("nonshared_max_stable_qps") is not None:
+            text += f" NonShared keeps up at {c['nonshared_max_stable_qps']:g} QPS at {shared} shared tokens."
     for shared, c in cap.items():
         if c.get("nonshared_capacity_qps") is not None:
             text += f" NonShared sustains < {c['nonshared_capacity_qps']:.3g} QPS at {shared} shared tokens"
@@ -185,16 +195,37 @@ def saturation_note(summary: dict) -> str | None:
     return text
 
 
+def _served(row: dict) -> bool:
+    """A point served for real (no isolated service times): its util column is estimated."""
+    return bool(row.get("utilization_basis") or (row.get("utilization") is None and row.get("drain_ratio")))
+
+
 def print_sweep_table(summary: dict, console: Console) -> None:
     rows = []
     for r in summary["rows"]:
-        u = f"{r['utilization']:.2f}" if r.get("utilization") is not None else "-"
+        star = "*" if _served(r) else ""
+        if r.get("utilization") is not None:
+            u = f"{r['utilization']:.2f}{star}"
+        elif r.get("drain_ratio") is not None:  # served for real without a single-stream point
+            u = f"{r['drain_ratio']:.2f}{star}"
+        else:
+            u = "-"
         rows.append({**r, "util_cell": f"[bold red]{u}![/]" if r.get("saturated") else u})
     title = (
         f"serve-sweep, TTFT in s under load ({summary.get('model')}; {summary.get('device', '?')}; engine "
         f"{summary.get('engine')}; QPS = trajectory starts/s, 0 = single stream)"
     )
-    console.print(fitted_table(console, title, SWEEP_COLUMNS, rows, saturation_note(summary), "summary.json"))
+    note = saturation_note(summary)
+    served = [r for r in summary["rows"] if _served(r)]
+    if served:
+        what = (
+            "QPS x single-stream trajectory latency (the server may sustain more by batching)"
+            if any(r.get("utilization_basis") for r in served)
+            else "drain ratio = trajectory completion span / arrival span, > 1.25 saturated"
+        )
+        star = f"* served for real: util = {what}"
+        note = star if note is None else star + "\n" + note
+    console.print(fitted_table(console, title, SWEEP_COLUMNS, rows, note, "summary.json"))
 
 
 class SuiteProgress:

@@ -297,6 +297,15 @@ class SegmentContext:
         """Run ``fn`` after the request's first token (outside TTFT, inside E2E and peak memory)."""
         self.deferred.append(fn)
 
+    def exact_layer0(self, kv: SegmentKV, reference: SegmentKV | None = None) -> SegmentKV:
+        """``kv`` with layer 0 recomputed exactly (layer-0 K/V depend only on tokens and positions):
+        here a forward of the segment's tokens through layer 0 over the request cache (not counted
+        as recomputation). ``reference`` (any cache of the same tokens) is for engines without a
+        partial forward, which take layer 0 from it re-aligned."""
+        self.write(kv)
+        self.forward(self.embed(), range(self.length), [0], count=False)
+        return self.current(kv.status)
+
 
 class Engine:
     """Runs requests on one model, one at a time, with exact per-segment bookkeeping."""

@@ -33,8 +33,8 @@ from ..results.provenance import provenance
 from ..results.records import read_jsonl_objects, write_json
 from ..results.request import RequestRecord
 from ..serving.arrivals import arrival_times, check_rate
-from ..serving.backends import Backend, get_backend, replay_all
-from ..serving.metrics import DEFINITIONS, QPS_UNIT, capacity, sweep_row
+from ..serving.backends import BACKEND_LIMITS, Backend, check_backend, get_backend, replay_all
+from ..serving.metrics import DEFINITIONS, QPS_UNIT, capacity, mark_saturation, sweep_row
 from ..serving.traces import DEFAULT_ACCUMULATED_CONTEXT, N_AGENTS, Trace, build_traces, dump_traces, load_traces
 
 # settings that change measured service times: a resumed output directory must match them
@@ -99,6 +99,17 @@ def check_fits(traces: Sequence[Trace], max_positions: int | None, vocab: int | 
                 raise BenchError(
                     f"trace {tr.id} holds token id {top} >= vocabulary size {vocab} (built with another tokenizer?)"
                 )
+
+
+def engine_methods(engine: str, asked: Sequence[str], names: list[str], backend=None) -> list[str]:
+    """``--method all`` on an engine that cannot run every method: the ones it can (named ones are
+    checked by :func:`~kvcmas_bench.serving.backends.check_backend` and refused)."""
+    why_not = BACKEND_LIMITS.get(engine) or getattr(backend, "supports", None)
+    if why_not is None or "all" not in [a.strip().lower() for a in asked]:
+        return names
+    from ..methods import method_class
+
+    return [n for n in names if not why_not(method_class(n))]
 
 
 @dataclass
@@ -279,6 +290,7 @@ def serve_sweep(
     texts=None,
     backend: Backend | str | None = None,
     warmup_trajectories: int = 0,
+    engine_options: dict | None = None,
 ) -> dict:
     """Serve every method on every shared length across all QPS values and write the results.
 
@@ -290,6 +302,8 @@ def serve_sweep(
     flags and ``--method-arg`` pairs; None = unset), validated for the selected methods before any
     model is loaded. ``backend``: a registered backend name (default ``in-process``, built from
     ``model``/``device``/``dtype``/``ignore_eos``/``warmup``) or a :class:`Backend` instance.
+    ``engine_options``: backend-specific options (``--engine-arg KEY=VALUE``; the vLLM engine's
+    block size, KV cache size, batching limits, prefix caching), checked before the model loads.
     ``console``: rich Console for the table (default stdout); ``progress``: callback for one-line
     progress messages. ``warmup_trajectories``: held-out trajectories every method serves before
     measurement (online state warmed up as in a long-running service; excluded from statistics).
@@ -312,7 +326,17 @@ def serve_sweep(
     )
     if warmup_trajectories < 0:
         raise BenchError(f"--warmup-trajectories must be >= 0, got {warmup_trajectories}")
+    engine_name = backend if isinstance(backend, str) else ("in-process" if backend is None else backend.name)
+    names = engine_methods(engine_name, methods, names, backend)
     specs = resolve_methods(names, method_args, get_workload(TEXT_WORKLOAD))
+    if isinstance(backend, str) or backend is None:
+        check_backend(engine_name, specs)  # unknown engine, or methods it cannot run: before any model loads
+    elif getattr(backend, "supports", None) is not None:
+        bad = [n for n, sp in specs.items() if backend.supports(sp.cls)]
+        if bad:
+            raise BenchError(
+                f"--engine {engine_name} cannot run {', '.join(bad)}: {backend.supports(specs[bad[0]].cls)}"
+            )
     needs_calib = [n for n, s in specs.items() if s.cls.needs_calibration]
     if needs_calib and calib_trajectories < 1 and traces_path is None:
         raise BenchError(f"{', '.join(needs_calib)} need calibration trajectories (calib_trajectories >= 1)")
@@ -323,7 +347,13 @@ def serve_sweep(
     with lock_output_dir(out_dir):  # a busy or unwritable output path fails before the model loads
         if backend is None or isinstance(backend, str):
             backend = get_backend(
-                backend or "in-process", model=model, device=device, dtype=dtype, ignore_eos=ignore_eos, warmup=warmup
+                engine_name,
+                model=model,
+                device=device,
+                dtype=dtype,
+                ignore_eos=ignore_eos,
+                warmup=warmup,
+                **(engine_options or {}),
             )
         sweep = SweepSpec(specs, qps_list, num_trajectories, burstiness, seed, accumulated, traces_path)
         sweep.groups = (
@@ -345,6 +375,7 @@ def serve_sweep(
         check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
         traces_text = dump_traces(sweep.traces)
         config = sweep_config(sweep, backend, traces_text, method_args or {}, dtype, ignore_eos, warmup)
+        config["engine_options"] = dict(engine_options or {})
         saved = open_dir(out_dir, config, num_trajectories)  # checks the directory before anything is written
         atomic_write(out_dir / "traces.jsonl", traces_text)
         config["backend_config"] = backend.describe()
@@ -399,6 +430,7 @@ def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, con
             rows.append(sweep_row(method, shared, q, served))
             requests.extend(r.to_dict() for r in served)
     _write_jsonl(out_dir / "requests.jsonl", requests)
+    mark_saturation(rows)
     summary = {
         "server": config.get("server"),
         "engine": config.get("backend"),
@@ -413,7 +445,9 @@ def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, con
         "rows": rows,
         # saturated points (utilization >= 1: unstable queue) and the QPS NonShared can sustain
         "saturated": [
-            {k: r[k] for k in ("method", "shared_tokens", "qps", "utilization")} for r in rows if r["saturated"]
+            {k: r.get(k) for k in ("method", "shared_tokens", "qps", "utilization", "latency_inflation", "drain_ratio")}
+            for r in rows
+            if r["saturated"]
         ],
         "capacity": capacity(rows),
         "plots": [],

@@ -62,6 +62,9 @@ class Method:
     calibrated_state: ClassVar[tuple[str, ...]] = ()
     #: residual-stream layers the engine keeps for agent outputs during decode (as sources)
     decode_hidden_layers: ClassVar[tuple[int, ...]] = ()
+    #: needs partial forwards through the model's layers (selective recomputation): only engines
+    #: that expose their layers (the in-process one) can run it; others refuse it up front
+    needs_model_internals: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -49,6 +49,7 @@ class CacheBlend(Method):
 
     name = "cacheblend"
     summary = "recompute all tokens to a check layer, then only the top-deviation tokens (CacheBlend)"
+    needs_model_internals = True
 
     rho: float = 0.9
     check_layer: int = 1

@@ -116,7 +116,7 @@ class OnlineDeltaCorrection(Method):
         pool = self.pools.setdefault(ctx.slot, AnchorPool(self.anchors))
         decision = self.gate(pool, ctx.consumer, ref_v, ctx.length, ctx.details)
         if decision is not None:
-            kv = self.correct(ctx, decision, ref_k, ref_v)
+            kv = self.correct(ctx, decision, ref_k, ref_v, ref)
             if kv is not None:
                 self._count("accepted")
                 return kv
@@ -222,7 +222,12 @@ class OnlineDeltaCorrection(Method):
 
     # ---- Eq. 8 ---------------------------------------------------------------------------------
     def correct(
-        self, ctx: SegmentContext, dec: GateDecision, ref_k: torch.Tensor, ref_v: torch.Tensor
+        self,
+        ctx: SegmentContext,
+        dec: GateDecision,
+        ref_k: torch.Tensor,
+        ref_v: torch.Tensor,
+        ref: SegmentKV | None = None,
     ) -> SegmentKV | None:
         """``align(C_ref) + sum_v w_v A_v B_v`` on the covered prefix, aligned rows beyond it.
 
@@ -249,9 +254,7 @@ class OnlineDeltaCorrection(Method):
         values = from_rows(ref_v, engine.n_kv).to(engine.dtype)
         kv = SegmentKV(k=keys, v=values, start=ctx.start, ids=tuple(ctx.segment.ids), status="corrected")
         if self.exact_layer0:
-            ctx.write(kv)
-            ctx.forward(ctx.embed(), range(ctx.length), [0], count=False)
-            kv = ctx.current("corrected")
+            kv = ctx.exact_layer0(kv, ref)
         return kv
 
     @staticmethod

@@ -73,6 +73,7 @@ class DroidSpeak(Method):
 
     name = "droidspeak"
     summary = "recompute all tokens in profiled contiguous layer groups from the source's hidden states"
+    needs_model_internals = True
     needs_calibration = True
 
     rho: float = 0.9

@@ -65,6 +65,7 @@ class RelayCaching(Method):
 
     name = "relaycaching"
     summary = "deviation x attention token selection recomputed in a profiled middle-layer range"
+    needs_model_internals = True
     needs_calibration = True
 
     rho: float = 0.9

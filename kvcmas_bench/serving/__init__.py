@@ -2,6 +2,7 @@
 arrivals, backends that serve them (in-process: an event-driven one-request-at-a-time FCFS queue
 over measured service times), metrics and plots. The job itself is :mod:`kvcmas_bench.jobs.sweep`."""
 
+from . import vllm as _vllm  # noqa: F401  (registers the optional vLLM backend; vLLM loads lazily)
 from .arrivals import arrival_times
 from .backends import BACKENDS, Backend, InProcessBackend, ServeResult, get_backend, register_backend
 from .queueing import SERVER_MODEL, replay, simulate

@@ -70,16 +70,37 @@ class Backend(Protocol):
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {}
+#: backend name -> ``why_not(method_class) -> str | None``: methods the engine cannot run
+BACKEND_LIMITS: dict[str, Callable[[type[Method]], str | None]] = {}
 
 
-def register_backend(name: str):
-    """Register ``factory(model=None, device="auto", dtype="float32", ignore_eos=True, warmup=True)``."""
+def register_backend(name: str, why_not: Callable[[type[Method]], str | None] | None = None):
+    """Register ``factory(model=None, device="auto", dtype="float32", ignore_eos=True, warmup=True,
+    **engine_options)``. ``why_not(method_class)`` names why the engine cannot run a method (None:
+    it can); :func:`check_backend` asks it before any model loads."""
 
     def deco(factory: Callable[..., Backend]) -> Callable[..., Backend]:
         BACKENDS[name] = factory
+        if why_not is not None:
+            BACKEND_LIMITS[name] = why_not
         return factory
 
     return deco
+
+
+def check_backend(name: str, methods: Mapping[str, MethodSpec] | Sequence[type[Method]]) -> None:
+    """Refuse an unknown engine, or methods it cannot run, with one line (before a model loads)."""
+    if name not in BACKENDS:
+        raise BenchError(f"unknown --engine {name!r}; available: {', '.join(sorted(BACKENDS))}")
+    why_not = BACKEND_LIMITS.get(name)
+    classes = [m.cls for m in methods.values()] if isinstance(methods, Mapping) else list(methods)
+    bad = [(c.name, why_not(c)) for c in classes] if why_not is not None else []
+    bad = [(n, w) for n, w in bad if w]
+    if bad:
+        raise BenchError(
+            f"--engine {name} cannot run {', '.join(n for n, _ in bad)}: {bad[0][1]}; "
+            "use --engine in-process for these methods"
+        )
 
 
 def get_backend(name: str, **options) -> Backend:
@@ -233,13 +254,16 @@ class InProcessBackend:
 
 @register_backend("in-process")
 def in_process(
-    model=None, device: str = "auto", dtype: str = "float32", ignore_eos: bool = True, warmup: bool = True
+    model=None, device: str = "auto", dtype: str = "float32", ignore_eos: bool = True, warmup: bool = True, **options
 ) -> InProcessBackend:
     """This package's engine: each request measured once in isolation, FCFS replay per QPS.
 
     ``model``: None/spec string for :func:`~kvcmas_bench.modeling.load_model`, or a loaded
-    :class:`~kvcmas_bench.modeling.LoadedModel` (tests pass a tiny model this way).
+    :class:`~kvcmas_bench.modeling.LoadedModel` (tests pass a tiny model this way). It takes no
+    engine options (``--engine-arg``).
     """
+    if options:
+        raise BenchError(f"--engine in-process takes no --engine-arg (got {', '.join(sorted(options))})")
     if model is None or isinstance(model, str):
         from ..modeling import load_model, resolve_device, resolve_dtype
 

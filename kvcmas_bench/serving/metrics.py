@@ -23,7 +23,16 @@ DEFINITIONS = {
     "service_ttft_mean_s / service_e2e_mean_s": "measured in isolation (engine ttft_s / e2e_s; TTFT includes "
     "correction and reference-prefill work)",
     "trajectory_service_mean_s": "sum of the 4 agents' measured E2E, mean over trajectories",
-    "utilization": "offered load = qps x trajectory_service_mean_s (None for single stream); >= 1 saturates",
+    "utilization": "offered load = qps x trajectory_service_mean_s (None for single stream, and for engines that "
+    "serve for real without isolated service times); >= 1 saturates",
+    "trajectory_latency_mean_s": "last agent's completion - first agent's arrival, mean over trajectories",
+    "utilization (served for real)": "engines without isolated service times (vLLM): qps x the mean trajectory "
+    "latency of the QPS 0 (single stream) point of the same method and shared length, i.e. the in-process "
+    "definition with the single stream as service time; a batching server's capacity is at least the "
+    "single-stream rate, so < 1 is sustainable (it may sustain more)",
+    "latency_inflation": "trajectory_latency_mean_s / the same at QPS 0 (informational)",
+    "drain_ratio": "(last - first trajectory completion) / (last - first trajectory arrival); judges saturation "
+    "(> 1.25) only for engines without service times when no single-stream point was served",
     "busy_fraction": "total service time / makespan",
     "makespan_s": "last completion - first arrival on the virtual clock",
     "throughput_req_s / throughput_tok_s": "agent requests / generated tokens per second of makespan",
@@ -63,6 +72,9 @@ def served_metrics(served: Sequence[RequestRecord], qps: float) -> dict:
     row["queue_mean_s"] = _mean([r.queue_s for r in served])
     row["service_ttft_mean_s"] = _mean([r.service_ttft_s for r in served])
     row["service_e2e_mean_s"] = _mean(service)
+    row["trajectory_latency_mean_s"] = float(
+        np.mean([max(r.completion_s for r in rs) - min(r.arrival_s for r in rs) for rs in by_traj.values()])
+    )
     row["trajectory_service_mean_s"] = float(np.mean(traj_service)) if traj_service else None
     row["makespan_s"] = makespan
     row["throughput_req_s"] = len(served) / makespan if makespan > 0 else None
@@ -71,8 +83,43 @@ def served_metrics(served: Sequence[RequestRecord], qps: float) -> dict:
     # offered load of the open-loop arrivals; single stream (qps 0) has none
     mean_traj = row["trajectory_service_mean_s"]
     row["utilization"] = qps * mean_traj if qps > 0 and mean_traj is not None else None
-    row["saturated"] = bool(row["utilization"] is not None and row["utilization"] >= 1.0)
+    row["drain_ratio"] = drain_ratio(by_traj.values()) if qps > 0 else None
+    if row["utilization"] is not None:
+        row["saturated"] = bool(row["utilization"] >= 1.0)
+    else:
+        row["saturated"] = bool(row["drain_ratio"] is not None and row["drain_ratio"] > DRAIN_LIMIT)
     return row
+
+
+#: a served-for-real point whose trajectories complete this much more spread out than they arrive
+DRAIN_LIMIT = 1.25
+
+
+def mark_saturation(rows: Sequence[dict]) -> None:
+    """Utilization of rows served for real (no isolated service times): qps x the single-stream
+    trajectory latency of the same method and shared length, when the QPS 0 point was served
+    (saturated at >= 1, as in-process); without it the drain-ratio rule of :func:`served_metrics`
+    stands."""
+    single = {(r["method"], r["shared_tokens"]): r for r in rows if r["qps"] == 0}
+    for r in rows:
+        if r.get("utilization") is not None or r["qps"] <= 0:
+            continue
+        ref = single.get((r["method"], r["shared_tokens"]))
+        if ref is not None and ref.get("trajectory_latency_mean_s"):
+            r["utilization"] = r["qps"] * ref["trajectory_latency_mean_s"]
+            r["utilization_basis"] = "single-stream trajectory latency"
+            r["latency_inflation"] = r["trajectory_latency_mean_s"] / ref["trajectory_latency_mean_s"]
+            r["saturated"] = bool(r["utilization"] >= 1.0)
+
+
+def drain_ratio(trajectories) -> float | None:
+    """Completion span / arrival span of the trajectories (None for fewer than two)."""
+    spans = [(min(r.arrival_s for r in rs), max(r.completion_s for r in rs)) for rs in trajectories if rs]
+    if len(spans) < 2:
+        return None
+    arr = max(a for a, _ in spans) - min(a for a, _ in spans)
+    done = max(c for _, c in spans) - min(c for _, c in spans)
+    return done / arr if arr > 0 else None
 
 
 def load_metrics(requests: Sequence[RequestRecord]) -> dict:
@@ -117,6 +164,8 @@ def capacity(rows: Sequence[dict], reference: str = "nonshared") -> dict:
         c = out.setdefault(r["shared_tokens"], {"nonshared_capacity_qps": None, "nonshared_max_stable_qps": None})
         if r.get("trajectory_service_mean_s"):
             c["nonshared_capacity_qps"] = 1.0 / r["trajectory_service_mean_s"]
+        elif r["qps"] == 0 and r.get("trajectory_latency_mean_s"):  # served for real: the single stream
+            c["nonshared_capacity_qps"] = 1.0 / r["trajectory_latency_mean_s"]
         if r["qps"] > 0 and not r.get("saturated"):
             c["nonshared_max_stable_qps"] = max(r["qps"], c["nonshared_max_stable_qps"] or 0.0)
     return out

@@ -28,7 +28,7 @@ CHAINED_LABELS = {"kvcmas": "Chained", "kvcmas-nonchained": "Non-chained"}
 
 def sweep_note(summary: dict) -> str:
     """Model, device and the QPS NonShared sustains, for the figures' footnote."""
-    note = f"{summary.get('model')} on {summary.get('device')}"
+    note = f"{summary.get('model')} on {summary.get('device')}, engine {summary.get('engine')}"
     caps = [
         f"{c['nonshared_capacity_qps']:.3g} QPS at {s} shared tokens"
         for s, c in (summary.get("capacity") or {}).items()

@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""Serving benchmark on vLLM next to the in-process engine, on the same traces.
+
+For every shared-context length: the in-process engine measures every method once on controlled
+four-agent traces (single stream) and saves the traces, then replays them on its one-request-at-a-time
+FCFS server at ``--qps-factors`` x its NonShared capacity (1 / NonShared trajectory service time).
+``serve-sweep --engine vllm`` serves the same traces for real (continuous batching, Poisson
+arrivals on the wall clock, KV injection through the connector) at the same factors x *vLLM's*
+single-stream NonShared rate (measured first, NonShared only): the engines differ several-fold in
+speed, so one QPS grid cannot load both. Prints p50/p90 TTFT per engine, method and QPS, and the
+TTFT ratios NonShared / method at the highest QPS NonShared sustains on each engine (in-process:
+utilization < 1; vLLM: trajectories complete as fast as they arrive, drain ratio <= 1.25).
+
+Run it with a Python that has vLLM (``bash scripts/setup.sh --vllm``), one thread per engine:
+
+    OMP_NUM_THREADS=1 python benchmarks/serve_sweep_vllm.py --shared-tokens 512,1024 --trajectories 6 \\
+        --output-tokens 16 -o runs/vllm-bench
+
+Results: ``-o``/``<shared>/in-process`` and ``-o``/``<shared>/vllm`` (ordinary serve-sweep
+directories: config, traces, requests, summary, plots), and ``-o``/``comparison.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+METHODS = "nonshared,fullshared,kvcmas,kvcomm"
+
+
+def _table(console, shared: int, grids: dict, methods: list[str]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"p50 / p90 TTFT (s) at {shared} shared tokens ('!' = saturated)")
+    t.add_column("engine")
+    t.add_column("QPS", justify="right")
+    for m in methods:
+        t.add_column(m, justify="right")
+    for engine, by in grids.items():
+        for q in sorted({k[1] for k in by}):
+            cells = []
+            for m in methods:
+                r = by[(m, q)]
+                mark = "!" if r["saturated"] else ""
+                cells.append(f"{r['ttft_p50_s']:.3f} / {r['ttft_p90_s']:.3f}{mark}")
+            t.add_row(engine, "0 (single)" if q == 0 else f"{q:.3g}", *cells)
+    console.print(t)
+
+
+def rows_of(sweep_dir: Path) -> dict:
+    """(method, qps) -> summary row, recomputed from ``requests.jsonl`` with the current metrics
+    (so ``--report-only`` re-reads an older run with today's saturation rule)."""
+    from kvcmas_bench.results.request import RequestRecord
+    from kvcmas_bench.serving.metrics import mark_saturation, sweep_row
+
+    groups: dict = {}
+    for line in (sweep_dir / "requests.jsonl").read_text().splitlines():
+        r = RequestRecord.from_dict(json.loads(line))
+        groups.setdefault((r.method, r.shared_tokens, r.qps), []).append(r)
+    rows = [sweep_row(m, s, q, recs) for (m, s, q), recs in groups.items()]
+    mark_saturation(rows)
+    return {(r["method"], r["qps"]): r for r in rows}
+
+
+def ratios(by: dict, methods: list[str]) -> dict | None:
+    """NonShared / method p50 and p90 TTFT at the highest QPS > 0 where NonShared is not saturated."""
+    stable = [q for (m, q), r in by.items() if m == "nonshared" and q > 0 and not r["saturated"]]
+    if not stable:
+        return None
+    q = max(stable)
+    ns = by[("nonshared", q)]
+    out = {"qps": q}
+    for m in methods:
+        r = by[(m, q)]
+        out[m] = {
+            "p50_s": r["ttft_p50_s"],
+            "p90_s": r["ttft_p90_s"],
+            "p50_ratio": ns["ttft_p50_s"] / r["ttft_p50_s"],
+            "p90_ratio": ns["ttft_p90_s"] / r["ttft_p90_s"],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shared-tokens", default="512,1024", help="comma-separated context lengths")
+    ap.add_argument("--trajectories", type=int, default=6)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--calib-trajectories", type=int, default=2)
+    ap.add_argument("--methods", default=METHODS, help=f"comma-separated, NonShared included (default {METHODS})")
+    ap.add_argument(
+        "--qps-factors",
+        default="0.5,0.9,1.5,2",
+        help="QPS grid as multiples of each engine's single-stream NonShared rate (default 0.5,0.9,1.5,2)",
+    )
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-arg", action="append", default=[], help="vLLM engine option KEY=VALUE (repeatable)")
+    ap.add_argument("--output-path", "-o", default="runs/vllm-bench")
+    ap.add_argument("--report-only", action="store_true", help="print the tables of an existing --output-path")
+    args = ap.parse_args(argv)
+
+    import torch
+    from rich.console import Console
+
+    from kvcmas_bench.errors import BenchError
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    console = Console(width=max(100, Console().width))
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if "nonshared" not in methods:
+        print("serve_sweep_vllm: error: include nonshared (the reference)", file=sys.stderr)
+        return 2
+    lengths = [int(x) for x in args.shared_tokens.split(",") if x.strip()]
+    factors = [float(x) for x in args.qps_factors.split(",") if x.strip()]
+    engine_options = dict(kv.split("=", 1) for kv in args.engine_arg)
+    root = Path(args.output_path)
+    common = dict(
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        output_tokens=args.output_tokens,
+        calib_trajectories=args.calib_trajectories,
+        console=console,
+        show_table=False,
+        progress=lambda msg: console.print(f"[dim]{msg}[/dim]"),
+    )
+    results: dict = {}
+    try:
+        if not args.report_only:
+            run_all(args, methods, lengths, factors, engine_options, root, common)
+    except BenchError as exc:
+        print(f"serve_sweep_vllm: error: {exc}", file=sys.stderr)
+        return 2
+
+    for s in lengths:
+        by_engine = {engine: rows_of(root / str(s) / engine) for engine in ("in-process", "vllm")}
+        _table(console, s, by_engine, methods)
+        results[s] = {e: ratios(by, methods) for e, by in by_engine.items()}
+    console.print("TTFT ratio NonShared / method at the highest QPS NonShared sustains (> 1: faster than NonShared)")
+    for s, per in results.items():
+        for engine, r in per.items():
+            if r is None:
+                console.print(f"  {s:>5} shared, {engine:<10}: NonShared saturated at every QPS > 0 swept")
+                continue
+            cells = "  ".join(f"{m} p50 {r[m]['p50_ratio']:.2f}x p90 {r[m]['p90_ratio']:.2f}x" for m in methods[1:])
+            console.print(f"  {s:>5} shared, {engine:<10} at QPS {r['qps']:.3g}: {cells}")
+    (root / "comparison.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def run_all(args, methods, lengths, factors, engine_options, root: Path, common: dict) -> None:
+    """The in-process measurements and replays, then the vLLM single-stream probe and sweep."""
+    from kvcmas_bench.jobs.sweep import evaluate_service, serve_sweep
+
+    grids: dict[int, list[float]] = {}
+    for s in lengths:  # the in-process engine first (before vLLM takes over torch's threads)
+        d = root / str(s) / "in-process"
+        single = serve_sweep(methods, [0], [s], args.trajectories, str(d), device="cpu", plots=False, **common)
+        t_ns = next(r for r in single["rows"] if r["method"] == "nonshared")["trajectory_service_mean_s"]
+        grids[s] = [round(f / t_ns, 4) for f in factors]
+        evaluate_service(str(d), [0.0] + grids[s], console=None)
+    for s in lengths:
+        t0 = time.perf_counter()
+        traces = str(root / str(s) / "in-process" / "traces.jsonl")
+        probe = serve_sweep(
+            ["nonshared"],
+            [0],
+            [s],
+            args.trajectories,
+            str(root / str(s) / "vllm-single-stream"),
+            traces_path=traces,
+            backend="vllm",
+            engine_options=engine_options,
+            plots=False,
+            **common,
+        )
+        t_ns = next(r for r in probe["rows"] if r["method"] == "nonshared")
+        # a single stream's makespan is the sum of the trajectories' latencies
+        rate = t_ns["n_trajectories"] / t_ns["makespan_s"]
+        serve_sweep(
+            methods,
+            [0.0] + [round(f * rate, 4) for f in factors],
+            [s],
+            args.trajectories,
+            str(root / str(s) / "vllm"),
+            traces_path=traces,
+            backend="vllm",
+            engine_options=engine_options,
+            **common,
+        )
+        common["console"].print(f"[dim]vLLM sweep at {s} shared tokens: {time.perf_counter() - t0:.0f} s[/dim]")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,411 @@
+"""Running a trajectory's agents through a method on an engine that only takes whole requests.
+
+The in-process engine asks the method for each shared (PH) segment *while* it prefills the
+request. A serving engine gets a request once, whole, so here the method decides every segment
+of an agent's request *before* it is submitted, against a :class:`PlanContext`:
+
+- ``dense()`` returns a placeholder cache that vLLM fills: the segment is prefilled by vLLM inside
+  the request (over whatever cache precedes it, as in-process) and captured into the placeholder;
+  deferred work that uses it (anchor insertion) runs once the first token has arrived.
+- ``aligned_source()`` re-aligns the source's post-RoPE keys with the model's own ``inv_freq``.
+- ``reference()`` (context-free prefill) is a prefill-only request on the same engine: planning
+  stops with :class:`NeedKV`, the client submits that request, and planning resumes at the same
+  segment when its capture is in (so its time lands in the waiting request's TTFT).
+- partial forwards through chosen layers (selective recomputation) do not exist here; methods
+  that need them are refused before anything loads (``Method.needs_model_internals``).
+  KVComm's exact layer 0 comes from the reference re-aligned: layer-0 K/V depend only on tokens
+  and positions.
+
+What the method returns becomes a :class:`~.connector.Plan`: the agent's system prompt (exact, one
+cache per agent, captured once before timing) plus the first shared segment as a prefix the
+connector claims, later reused/corrected segments as per-layer overrides, dense segments and the
+agent's output (from decode) as captures. The rest (sources chained along the agent graph,
+counters, records) is :func:`kvcmas_bench.workflow.execute`'s bookkeeping, reused.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ...engine import Request, RequestResult, SegmentContext, SegmentKV
+from ...errors import BenchError
+from ...methods.base import Method
+from ...ops.kvmath import shift_keys
+from ...results.request import RequestRecord, SegmentRecord
+from ...workflow import AgentStep, Node, UnitRun, _sources, out_slot, request_records
+from ..backends import trace_nodes
+from ..traces import Trace
+from .plan import Capture, Plan
+
+
+class NeedKV(Exception):
+    """Planning waits for a context-free prefill of ``ids`` (a prefill-only request)."""
+
+    def __init__(self, ids: Iterable[int]):
+        super().__init__("context-free prefill needed")
+        self.ids = tuple(ids)
+
+
+class ModelFacts:
+    """What methods read from ``ctx.engine`` here: shapes, dtype, the rotary ``inv_freq``, and
+    context-free references served by prefill-only requests (``ready``, filled by the client)."""
+
+    def __init__(self, inv_freq: torch.Tensor, n_layers: int, n_kv: int, head_dim: int, dtype, device):
+        self.inv_freq = inv_freq
+        self.n_layers, self.n_kv, self.head_dim = n_layers, n_kv, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.ready: dict[tuple[int, ...], SegmentKV] = {}
+
+    def empty(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.n_layers, self.n_kv, tokens, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(
+            shape, dtype=self.dtype, device=self.device
+        )
+
+    @property
+    def token_bytes(self) -> int:
+        return 2 * self.n_layers * self.n_kv * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def prefill_alone(self, ids, keep_hidden=(), slot=None, embeds=None) -> SegmentKV:
+        """The segment prefilled alone at positions 0.. (each call costs one prefill-only request)."""
+        if tuple(keep_hidden) or embeds is not None:
+            raise BenchError("hidden states and input embeddings are not available on the vLLM engine")
+        kv = self.ready.pop(tuple(ids), None)
+        if kv is None:
+            raise NeedKV(ids)
+        return SegmentKV(k=kv.k, v=kv.v, start=0, ids=tuple(ids), slot=slot)
+
+
+class PlanContext(SegmentContext):
+    """:class:`~kvcmas_bench.engine.SegmentContext` for an engine that runs requests whole."""
+
+    def __init__(self, facts: ModelFacts, request: Request, segment, start: int, source: SegmentKV | None):
+        self.engine = facts  # type: ignore[assignment]
+        self.cache = None  # type: ignore[assignment]
+        self.request, self.segment, self.start, self.source = request, segment, start, source
+        self.prefilled = self.reference_tokens = self.recomputed_token_layers = 0
+        self.deferred: list[Callable[[], None]] = []
+        self.details: dict = {}
+        self.placeholders: list[SegmentKV] = []
+
+    def dense(self, keep_hidden: Iterable[int] = ()) -> SegmentKV:
+        if tuple(keep_hidden):
+            raise BenchError("hidden states are not available on the vLLM engine")
+        k, v = self.engine.empty(self.length)
+        kv = SegmentKV(k=k, v=v, start=self.start, ids=tuple(self.segment.ids), slot=self.slot, agent=self.agent)
+        self.placeholders.append(kv)
+        self.prefilled += self.length
+        return kv
+
+    def exact_layer0(self, kv: SegmentKV, reference: SegmentKV | None = None) -> SegmentKV:
+        if reference is None or tuple(reference.ids) != tuple(self.segment.ids):
+            raise BenchError("exact layer 0 on the vLLM engine needs a cache of the same tokens")
+        kv.k[0] = shift_keys(reference.k[:1], self.start - reference.start, self.engine.inv_freq)[0].to(kv.k.dtype)
+        kv.v[0] = reference.v[0].to(kv.v.dtype)
+        return kv
+
+    def _internals(self, *_, **__):
+        raise BenchError("this method needs partial forwards through the model's layers (not on the vLLM engine)")
+
+    write = embed = forward = current = _internals  # type: ignore[assignment]
+
+
+@dataclass
+class Runtime:
+    """What every trajectory run on one engine shares."""
+
+    facts: ModelFacts
+    #: exact K/V of agents' system prompts (position 0), by ids
+    system_kv: dict[tuple[int, ...], SegmentKV] = field(default_factory=dict)
+    eos_ids: set[int] = field(default_factory=set)
+    ignore_eos: bool = True
+    #: salt injected/overridden requests (only needed when vLLM's prefix cache is on)
+    salt_injected: bool = False
+    #: record the first token's logprobs (tests)
+    logprobs: int | None = None
+    n: int = 0
+
+    def key(self, what: str) -> str:
+        self.n += 1
+        return f"kvcmas-{what}-{self.n}"
+
+
+@dataclass
+class EngineRequest:
+    """One request for the engine: ``kind`` "agent" (an agent of a trajectory) or "kv" (a
+    prefill-only request whose K/V is captured)."""
+
+    key: str
+    prompt: list[int]
+    max_tokens: int
+    plan: Plan | None
+    kind: str = "agent"
+    salt: str | None = None
+    logprobs: int | None = None
+
+
+@dataclass
+class _Agent:
+    """One agent request being planned, then served."""
+
+    node: Node
+    request: Request
+    sources: dict[str, SegmentKV]
+    arrival_s: float
+    before: dict
+    seg: int = 0
+    pos: int = 0
+    records: list[SegmentRecord] = field(default_factory=list)
+    modes: list[str | None] = field(default_factory=list)
+    kvs: list[SegmentKV | None] = field(default_factory=list)
+    materialized: dict[str, SegmentKV] = field(default_factory=dict)
+    deferred: list[Callable[[], None]] = field(default_factory=list)
+    reused: int = 0
+    reference: int = 0
+    eligible: int = 0
+    captures: list[Capture] = field(default_factory=list)
+    output_capture: Capture | None = None
+    engine_request: EngineRequest | None = None
+    start_s: float | None = None
+    first_token_s: float | None = None
+    first_token: int | None = None
+    first_logprobs: dict | None = None
+    tokens: list[int] = field(default_factory=list)
+    claimed: int | None = None
+
+
+class TrajectoryRun:
+    """One trajectory's agents in order (a chain: agent j reads every earlier output), each planned
+    with ``method`` into an :class:`EngineRequest`; the client drives it (see :mod:`.client`)."""
+
+    def __init__(self, rt: Runtime, trace: Trace, method, capture_outputs: bool, qps: float | None = None):
+        self.rt, self.trace, self.method, self.qps = rt, trace, method, qps
+        self.plain = type(method).materialize is Method.materialize  # NonShared: every segment dense
+        self.capture_outputs = capture_outputs and not self.plain
+        self.nodes = trace_nodes(trace)
+        self.store: dict[str, list[tuple[int, SegmentKV]]] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.steps: list[AgentStep] = []
+        self.records: list[RequestRecord] = []
+        self.index = 0
+        self.agent: _Agent | None = None
+        #: per finished agent: its engine request key and first-token logprobs (when asked for)
+        self.keys: list[str] = []
+        self.agent_logprobs: list[dict | None] = []
+
+    @property
+    def done(self) -> bool:
+        return self.index >= len(self.nodes)
+
+    # ---- planning ------------------------------------------------------------------------------
+    def begin(self, arrival_s: float) -> None:
+        """The next agent arrives (its predecessor finished, or the trajectory starts)."""
+        node = self.nodes[self.index]
+        sources = _sources(self.store, node)
+        req = self.trace.request(self.index, self.outputs, {slot: kv.agent for slot, kv in sources.items()})
+        req.node = node.id
+        self.agent = _Agent(node, req, sources, arrival_s, self.method.counters())
+
+    def plan(self) -> EngineRequest | NeedKV:
+        """Materialize the agent's remaining segments; its engine request, or what it waits for."""
+        a = self.agent
+        try:
+            while a.seg < len(a.request.segments):
+                self._segment(a, a.request.segments[a.seg])
+                a.seg += 1
+        except NeedKV as need:
+            return need
+        a.engine_request = self._engine_request(a)
+        return a.engine_request
+
+    def _segment(self, a: _Agent, seg) -> None:
+        S = len(seg.ids)
+        if seg.kind == "PF":
+            a.records.append(SegmentRecord(kind="PF", name=seg.name, tokens=S, status="exact"))
+            a.modes.append(None)
+            a.kvs.append(None)
+            a.pos += S
+            return
+        if self.plain:  # NonShared: vLLM prefills it, nobody needs its cache
+            ctx = None
+            kv, mode, took, eligible = None, "computed", 0.0, self.method.eligible(a.sources.get(seg.slot) is not None)
+            rec_kw: dict = {"status": "exact", "prefilled_tokens": S}
+        else:
+            ctx = PlanContext(self.rt.facts, a.request, seg, a.pos, a.sources.get(seg.slot))
+            eligible = bool(self.method.eligible(ctx.source is not None))
+            t0 = time.perf_counter()
+            kv = self.method.materialize(ctx)  # NeedKV leaves a.seg here: planning resumes at this segment
+            took = time.perf_counter() - t0
+            if kv.length != S or kv.start != a.pos:
+                raise RuntimeError(f"method returned {kv.length} rows at {kv.start}, expected {S} at {a.pos}")
+            kv.slot, kv.agent, kv.node = seg.slot, a.request.agent, a.request.node
+            mode = "computed" if any(kv is p for p in ctx.placeholders) else "provided"
+            if mode == "computed":
+                a.captures.append(Capture(a.pos, kv.k, kv.v))
+            a.materialized[seg.slot] = kv
+            a.deferred.extend(ctx.deferred)
+            reused = S - ctx.prefilled if kv.status != "exact" else 0
+            a.reused += reused
+            a.reference += ctx.reference_tokens
+            rec_kw = {
+                "status": kv.status,
+                "source_agent": ctx.source.agent if ctx.source is not None else None,
+                "source_node": ctx.source.node if ctx.source is not None else None,
+                "reused_tokens": reused,
+                "prefilled_tokens": ctx.prefilled,
+                "reference_tokens": ctx.reference_tokens,
+                "details": dict(ctx.details),
+            }
+        a.eligible += S if eligible else 0
+        a.records.append(
+            SegmentRecord(kind="PH", slot=seg.slot, tokens=S, eligible=eligible, materialize_s=took, **rec_kw)
+        )
+        a.modes.append(mode)
+        a.kvs.append(kv)
+        a.pos += S
+
+    def _engine_request(self, a: _Agent) -> EngineRequest:
+        """The plan: system prompt + first shared segment as the claimed prefix, later provided
+        segments as overrides, computed ones and the output as captures."""
+        segs = a.request.segments
+        plan = Plan(captures=list(a.captures))
+        first = 1 if segs[0].kind == "PF" else 0
+        sys_kv = self.rt.system_kv.get(tuple(segs[0].ids)) if first else None
+        prefix_ok = first < len(segs) and a.modes[first] == "provided" and (first == 0 or sys_kv is not None)
+        pos = 0
+        for i, (seg, mode, kv) in enumerate(zip(segs, a.modes, a.kvs)):
+            if mode == "provided" and i == first and prefix_ok:
+                k, v = (kv.k, kv.v) if first == 0 else (torch.cat([sys_kv.k, kv.k], 2), torch.cat([sys_kv.v, kv.v], 2))
+                plan.prefix = (k, v)
+                a.records[i].details["vllm"] = "prefix"
+            elif mode == "provided":
+                plan.overrides.append((pos, kv.k, kv.v))
+                a.records[i].details["vllm"] = "override"
+            elif mode == "computed":
+                a.records[i].details["vllm"] = "computed"
+            pos += len(seg.ids)
+        n_out = a.request.max_new_tokens
+        if self.capture_outputs:
+            k, v = self.rt.facts.empty(n_out)
+            a.output_capture = Capture(pos, k, v)
+            plan.captures.append(a.output_capture)
+        injected = plan.prefix is not None or bool(plan.overrides)
+        key = self.rt.key("agent")
+        return EngineRequest(
+            key=key,
+            prompt=a.request.prompt_ids,
+            # one token more than the agent's output: vLLM feeds every output token through the model
+            # (its K/V is the next agent's source), as the in-process engine feeds the last one
+            max_tokens=n_out + 1,
+            plan=plan if (plan.prefix is not None or plan.overrides or plan.captures) else None,
+            salt=key if injected and self.rt.salt_injected else None,
+            logprobs=self.rt.logprobs,
+        )
+
+    # ---- serving events ------------------------------------------------------------------------
+    def submitted(self, t: float) -> None:
+        self.agent.start_s = t
+
+    def first_token(self, t: float, token: int, logprobs: dict | None = None) -> None:
+        """The first streamed token: the prompt's dense segments are captured; deferred work runs."""
+        a = self.agent
+        a.first_token_s, a.first_token, a.first_logprobs = t, token, logprobs
+        for cap in a.captures:
+            if not cap.complete:
+                raise RuntimeError("vLLM finished the prefill but a dense segment was not captured whole")
+        for fn in a.deferred:
+            fn()
+
+    def finished(self, t: float, tokens: list[int], claimed: int | None) -> RequestRecord:
+        """The agent's request completed at ``t``: chain its caches, record it, move to the next agent."""
+        a = self.agent
+        n_out = a.request.max_new_tokens
+        out = list(tokens[:n_out])
+        if not self.rt.ignore_eos:
+            for i, tok in enumerate(out):
+                if tok in self.rt.eos_ids:
+                    out = out[:i]
+                    break
+        output_kv = None
+        if a.output_capture is not None and out:
+            cap = a.output_capture
+            if not bool(cap.filled[: len(out)].all()):
+                raise RuntimeError("vLLM finished the request but its output K/V was not captured whole")
+            output_kv = SegmentKV(
+                k=cap.k[:, :, : len(out)],
+                v=cap.v[:, :, : len(out)],
+                start=cap.start,
+                ids=tuple(out),
+                agent=a.request.agent,
+            )
+        self._chain(a, out, output_kv)
+        prompt = len(a.request.prompt_ids)
+        computed = prompt - (claimed or 0)
+        res = RequestResult(
+            agent=a.request.agent,
+            output_ids=out,
+            ttft_s=a.first_token_s - a.arrival_s,
+            e2e_s=t - a.arrival_s,
+            prompt_tokens=prompt,
+            prefilled_tokens=computed,
+            reused_tokens=a.reused,
+            reference_tokens=a.reference,
+            recomputed_token_layers=0,
+            eligible_tokens=a.eligible,
+            segments=a.records,
+            materialized=a.materialized,
+            output_kv=output_kv,
+            kv_bytes=(prompt + len(out)) * self.rt.facts.token_bytes,
+            peak_rss_bytes=_peak_rss(),
+            device_peak_bytes=None,
+            first_token=a.first_token,
+        )
+        after = self.method.counters()
+        self.steps.append(
+            AgentStep(
+                a.node,
+                a.request,
+                res,
+                "",
+                shared_store_bytes=sum(kv.nbytes for h in self.store.values() for _, kv in h),
+                method_state_bytes=self.method.state_bytes(),
+                method_stats={k: v - a.before.get(k, 0) for k, v in after.items() if v != a.before.get(k, 0)},
+            )
+        )
+        rec = request_records(UnitRun(self.trace.id, self.steps), self.rt.facts.n_layers, trajectory=self.trace.id)[-1]
+        rec.qps, rec.arrival_s, rec.start_s = self.qps, a.arrival_s, a.start_s
+        rec.first_token_s, rec.completion_s = a.first_token_s, t
+        rec.queue_s = a.start_s - a.arrival_s
+        self.records.append(rec)
+        self.keys.append(a.engine_request.key)
+        self.agent_logprobs.append(a.first_logprobs)
+        self.index += 1
+        self.agent = None
+        return rec
+
+    def _chain(self, a: _Agent, out: list[int], output_kv: SegmentKV | None) -> None:
+        """Sources for later agents, as :func:`~kvcmas_bench.workflow.execute` keeps them."""
+        for slot, kv in a.materialized.items():
+            self.store.setdefault(slot, []).append((self.index, kv))
+        if output_kv is not None:
+            output_kv.slot = out_slot(a.node)
+            self.store.setdefault(out_slot(a.node), []).append((self.index, output_kv))
+        self.outputs[a.node.id] = out
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def kv_request(rt: Runtime, ids: tuple[int, ...]) -> tuple[EngineRequest, Capture]:
+    """A prefill-only request whose K/V (positions 0..) is captured: a context-free reference or
+    an agent's system prompt."""
+    k, v = rt.facts.empty(len(ids))
+    cap = Capture(0, k, v)
+    return EngineRequest(rt.key("kv"), list(ids), 1, Plan(captures=[cap]), kind="kv"), cap
