@@ -116,3 +116,20 @@ def test_fused_rotation_layouts_equal_rotate_then_permute():
     assert torch.allclose(rows, to_rows(shift_keys(k, -11, inv)), atol=1e-6)
     back = rows_to_keys(rows, 11, inv, 2, torch.float32)
     assert back.is_contiguous() and torch.allclose(back, k, atol=1e-5)
+
+
+def test_correction_never_writes_into_the_source_cache(engine):
+    """A source whose values are stored token-major (its row layout is a view, as in vLLM's
+    captures) must come out of a correction untouched: corrections go into the method's own rows."""
+    q = rand_ids(20, 33)
+    ra, rb = _requests(q)
+    src = engine.run(ra, get_method("nonshared")).materialized["q"]
+    src.v = src.v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # same values, token-major storage
+    before_k, before_v = src.k.clone(), src.v.clone()
+    m = get_method("kvcmas", anchors=1, rank=None)
+    canon = torch.stack([to_rows(shift_keys(src.k, -src.start, engine.inv_freq)), to_rows(src.v)])
+    m.pools["q"] = AnchorPool(1)
+    m.pools["q"].add(("s",), canon[0], canon[1], "B", torch.ones_like(canon[0]), torch.ones_like(canon[1]), None)
+    got = engine.run(rb, m, sources={"q": src}).materialized["q"]
+    assert got.status == "corrected"
+    assert torch.equal(src.k, before_k) and torch.equal(src.v, before_v)

@@ -25,9 +25,9 @@ from ..ops.lowrank import (
     gate_entropy,
     lowrank_apply,
     lowrank_token_sqdist,
+    rows_copy,
     rows_to_keys,
     shift_to_rows,
-    to_rows,
     token_weights,
 )
 from .anchors import Anchor, AnchorPool
@@ -112,7 +112,7 @@ class OnlineDeltaCorrection(Method):
             return ctx.dense()
         inv = ctx.engine.inv_freq
         ref_k = shift_to_rows(ref.k, -ref.start, inv)  # canonical (position-0) keys, row layout, float32
-        ref_v = to_rows(ref.v).float()
+        ref_v = rows_copy(ref.v)
         pool = self.pools.setdefault(ctx.slot, AnchorPool(self.anchors))
         decision = self.gate(pool, ctx.consumer, ref_v, ctx.length, ctx.details)
         if decision is not None:
@@ -281,7 +281,7 @@ class OnlineDeltaCorrection(Method):
     ) -> None:
         """New anchor from a dense fallback: base = C_ref, Delta = C_j - align(C_ref) (canonical)."""
         ex_k = shift_to_rows(exact.k, -exact.start, inv_freq)
-        ex_v = to_rows(exact.v).float()
+        ex_v = rows_copy(exact.v)
         dtype = getattr(torch, self.anchor_dtype) if self.anchor_dtype else exact.k.dtype
         ex_k -= ref_k
         ex_v -= ref_v

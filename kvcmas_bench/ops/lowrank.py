@@ -19,6 +19,15 @@ def to_rows(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3).reshape(L, S, H * d)
 
 
+def rows_copy(x: torch.Tensor) -> torch.Tensor:
+    """A fresh float32 ``to_rows(x)`` in one pass: never a view of ``x``, whatever its strides
+    (corrections are added to it in place)."""
+    L, H, S, d = x.shape
+    out = torch.empty(L, S, H, d, dtype=torch.float32, device=x.device)
+    out.copy_(x.permute(0, 2, 1, 3))
+    return out.view(L, S, H * d)
+
+
 def from_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Inverse of :func:`to_rows`."""
     L, S, D = x.shape
