@@ -88,9 +88,12 @@ class AnchorPool:
         delta_v: torch.Tensor,
         rank: int | None,
         dtype: torch.dtype | None = None,
+        delta_rank: int | None = -1,
     ) -> Anchor:
-        """Insert the observed correction; an anchor built from the same source gains a consumer."""
-        dk, dv = Factor.make(delta_k, rank, dtype), Factor.make(delta_v, rank, dtype)
+        """Insert the observed correction; an anchor built from the same source gains a consumer.
+        ``rank`` factors the base, ``delta_rank`` the deltas (-1: ``rank``; None: full)."""
+        rd = rank if delta_rank == -1 else delta_rank
+        dk, dv = Factor.make(delta_k, rd, dtype), Factor.make(delta_v, rd, dtype)
         for a in self.anchors:
             if a.source_key == source_key:
                 a.deltas[consumer] = (dk, dv)
