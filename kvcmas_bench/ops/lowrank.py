@@ -80,10 +80,11 @@ def weighted_lowrank(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch
 
 
 def effective_rank(z: torch.Tensor, energy: float = 0.9) -> float:
-    """Mean over layers of the smallest rank keeping ``energy`` of the squared singular values."""
-    s = torch.linalg.svdvals(z.float())
-    e = s.square().cumsum(-1) / s.square().sum(-1, keepdim=True).clamp_min(1e-30)
-    return float((e < energy).sum(-1).add(1).float().mean())
+    """Mean over layers of the smallest rank keeping ``energy`` of the squared singular values
+    (per layer: :func:`kvcmas_bench.ops.spectrum.effective_ranks`)."""
+    from .spectrum import effective_ranks
+
+    return float(effective_ranks(z, energy).double().mean())
 
 
 def token_sqdist(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, orthonormal: bool = True) -> torch.Tensor:
