@@ -346,8 +346,21 @@ def _run_points(opts: AblateOptions, points: list[Point], out_dir: Path, progres
         if p.cell not in res.skipped:
             _run_point(p, c, opts, manifest, out_dir, res, progress)
     if len(res.failed) < len(points):
-        res.table = ablation_table(out_dir, [p for p in points if p.cell not in res.failed])
+        res.table = ablation_table(out_dir, [p for p in points if p.cell not in res.failed] + earlier(manifest, points))
     return res
+
+
+def earlier(manifest: dict, points: list[Point]) -> list[Point]:
+    """Finished points of earlier invocations into the same directory (other values or methods),
+    so that the table and figures cover everything the directory holds."""
+    current = {p.cell for p in points}
+    out = []
+    for name, c in manifest["cells"].items():
+        if name in current or c.get("status") != "done" or "method" not in c:
+            continue
+        w, _, point = str(c.get("path", name)).partition("/")
+        out.append(Point(w, point, c["method"], {}, dict(c.get("params") or {}), c.get("agents"), c.get("rounds", 1)))
+    return out
 
 
 @dataclass
@@ -382,7 +395,7 @@ def _run_point(p: Point, cell: _Cell, opts, manifest: dict, out_dir: Path, res: 
 def ablation_table(out_dir: Path, points: list[Point]) -> pd.DataFrame:
     """One row per point: its parameters, Table 1 figures (accuracy, agreement with NonShared, rho,
     KV error, TTFT, latency, memory) and generated tokens per second of E2E time."""
-    from ..report.tables import agreement, reference_for, run_metrics
+    from ..report.tables import METHOD_ORDER, agreement, reference_for, run_metrics
     from ..results.frames import load_dirs
 
     results = load_dirs([out_dir])
@@ -399,7 +412,13 @@ def ablation_table(out_dir: Path, points: list[Point]) -> pd.DataFrame:
         row["throughput_tok_s"] = _throughput(run)
         row["gate_accept_share"] = _accept_share(out_dir / p.workload / p.name)
         rows.append(row)
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    df["_m"] = df["method"].map(lambda m: order.get(m, len(order)))
+    df["_w"] = df["workload"].map({w: i for i, w in enumerate(dict.fromkeys(df["workload"]))})
+    return df.sort_values(["_w", "_m"], kind="stable").drop(columns=["_w", "_m"]).reset_index(drop=True)
 
 
 def _throughput(run) -> float | None:
