@@ -151,6 +151,13 @@ def test_ablation_resumes_without_redoing_finished_points(tiny_model_dir, tmp_pa
     # more values later: only the new point runs; other settings are refused
     assert run_cli(args("anchors", tiny_model_dir, out, "--values", "1,5,2")) == 0
     assert calls == {"one": 2, "prepare": 1}
+    t = pd.read_csv(out / "ablate-anchors.csv")  # the table covers every point of the directory
+    assert list(t["point"]) == ["nonshared", "kvcmas-V1", "kvcmas-V5", "kvcmas-V2"]
+    fig, axes = sweep_figure(t, "anchors", "t")
+    k = t[t["method"] == "kvcmas"].sort_values("V")
+    assert _lines(axes[2])["reuse_ratio:kvcmas"] == ([1, 2, 5], list(k["reuse_ratio"]))
+    plt.close(fig)
+    assert (out / "figures" / "mmlu_anchors.png").exists()
     assert run_cli([*cmd, "--seed", "3"]) == 2
 
 

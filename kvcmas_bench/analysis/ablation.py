@@ -109,13 +109,14 @@ def sweep_figure(df: pd.DataFrame, kind: str, title: str):
             continue
         for series, g in pts.groupby("_series", sort=False):
             g = g.dropna(subset=[metric])
+            g = g if kind == "rank" else g.sort_values("_x")
             ax.plot(
                 list(g["_x"]), list(_scale(metric, g[metric])), label=series, gid=f"{metric}:{series}", **_style(series)
             )
         if metric in refs and refs[metric].notna().any() and kind not in ("agents", "rounds"):
             ax.axhline(float(_scale(metric, refs[metric].dropna()).iloc[0]), color="gray", ls="--", lw=1)
         if kind in ("agents", "rounds") and metric in refs:
-            r = refs.dropna(subset=[metric])
+            r = refs.dropna(subset=[metric]).sort_values(kind)
             ax.plot(list(r[kind]), list(_scale(metric, r[metric])), color="gray", ls="--", marker="x",
                     label="nonshared", gid=f"{metric}:nonshared")  # fmt: skip
         ax.set_xlabel("r_C / r_D" if kind == "rank" else xname)
