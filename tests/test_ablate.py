@@ -79,8 +79,13 @@ def test_tau_sweep_writes_its_table_and_figures(tau_sweep):
     for gate in ("paper", "scaled"):
         lo, hi = k.loc[f"kvcmas-{gate}-tau0.2"], k.loc[f"kvcmas-{gate}-tau1"]
         assert hi["reuse_ratio"] >= lo["reuse_ratio"] and hi["gate_accept_share"] == 1.0
-    for f in ("mmlu_tau.png", "mmlu_tau.svg", "mmlu_tau_pareto.png"):
+    for f in ("mmlu_tau.png", "mmlu_tau.svg", "mmlu_tau_pareto.png", "mmlu_gate_replay.png"):
         assert (tau_sweep / "figures" / f).exists()
+    # both gates replayed on the recorded decisions: accepted share non-decreasing in tau, all at tau 1
+    rep = pd.read_csv(tau_sweep / "gate-replay-mmlu.csv")
+    assert set(rep["gate"]) == {"paper", "scaled"} and (rep["decisions"] > 0).all()
+    for _, g in rep.groupby("gate"):
+        assert g["accepted_share"].is_monotonic_increasing and g["accepted_share"].iloc[-1] == 1.0
     md = (tau_sweep / "ablate-tau.md").read_text()
     assert "ablate tau: mmlu" in md and "kvcmas" in md and "figures/mmlu_tau_pareto.png" in md
     # every point is an ordinary run directory that records its gate

@@ -151,3 +151,33 @@ def pareto_figure(df: pd.DataFrame, title: str):
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig, list(axes[0])
+
+
+def replay_frame(decisions: list[tuple[list[float], int]], taus, gate_temperature: float = 0.01) -> pd.DataFrame:
+    """The share of gated tokens each gate would accept at every tau, replayed on recorded gate
+    decisions (per decision: the anchors' distances and the segment's tokens). Rows: gate, tau,
+    accepted_share, decisions."""
+    from ..ops.gate import GATES, acceptance_curve, entropy_of
+
+    rows = []
+    for gate in GATES:
+        ent = [(entropy_of(d, gate, gate_temperature), n) for d, n in decisions]
+        for t, share in zip(taus, acceptance_curve(ent, taus)):
+            rows.append({"gate": gate, "tau": float(t), "accepted_share": share, "decisions": len(ent)})
+    return pd.DataFrame(rows)
+
+
+def replay_figure(df: pd.DataFrame, title: str):
+    """Accepted share of gated tokens vs tau per gate (lines ``replay:<gate>``). Returns (figure, axes)."""
+    fig, ax = plt.subplots(figsize=(5.5, 4.0))
+    for gate, g in df.groupby("gate", sort=False):
+        ax.plot(list(g["tau"]), list(g["accepted_share"]), ls="--" if gate == "paper" else "-",
+                label=f"{gate} gate", gid=f"replay:{gate}")  # fmt: skip
+    ax.set_xlabel("tau")
+    ax.set_ylabel("share of gated tokens accepted")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, frameon=False)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    return fig, ax

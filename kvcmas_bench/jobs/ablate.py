@@ -468,6 +468,7 @@ def write_outputs(res: AblateResult, kind: str, plots: bool = True) -> None:
         if kind == "tau":
             fig, _ = pareto_figure(g, f"{w}: fidelity vs measured rho ({meta})")
             res.figures.append(save(fig, out / "figures", f"{w}_tau_pareto", f"{w}: fidelity vs rho at matched rho"))
+            res.figures += _replay(out, g, w)
     doc = Document(f"kvcmas-bench ablate {kind}", [f"ablation directory: {out}"], sections, res.figures, DEFINITIONS)
     res.files.append(out / f"ablate-{kind}.md")
     atomic_write(res.files[-1], markdown(doc, out))
@@ -482,3 +483,36 @@ DEFINITIONS = [
     "KV rel. error: ||C - C_dense|| / ||C_dense|| over K and V, mean over every shared segment (with --fidelity).",
     "tok/s: generated tokens / E2E time, over all samples.",
 ]
+
+
+def recorded_decisions(run_dir: Path) -> list[tuple[list[float], int]]:
+    """Every gate decision of a run that compared anchors: its distances and the segment's tokens."""
+    out = []
+    for rec in read_jsonl(run_dir / "requests.jsonl", required=False):
+        for s in rec.get("segments", []):
+            d = s.get("details") or {}
+            if d.get("distances") and d.get("gate") in ("accepted", "rejected"):
+                out.append((list(d["distances"]), int(s.get("tokens", 0))))
+    return out
+
+
+def _replay(out: Path, g: pd.DataFrame, workload: str) -> list:
+    """``gate-replay-<workload>.csv`` and its figure: both gates' accepted share vs tau, replayed on
+    every gate decision the workload's gated points recorded (what tau does to the same decisions)."""
+    from ..analysis.ablation import replay_figure, replay_frame
+    from ..report.plots import save
+
+    gated = g[g["method"].map(lambda m: "tau" in METHODS[m].knobs())]
+    decisions = [d for p in gated["point"] for d in recorded_decisions(out / workload / p)]
+    if not decisions:
+        return []
+    temps = {
+        json.loads((out / workload / p / "config.json").read_text())["method_config"].get("gate_temperature")
+        for p in gated["point"]
+    }
+    temp = next(iter(temps)) if len(temps) == 1 and None not in temps else 0.01
+    df = replay_frame(decisions, [i / 40 for i in range(41)], temp)
+    atomic_write(out / f"gate-replay-{workload}.csv", df.to_csv(index=False))
+    title = f"{workload}: {len(decisions)} recorded gate decisions replayed (scaled gate_temperature {temp:g})"
+    fig, _ = replay_figure(df, title)
+    return [save(fig, out / "figures", f"{workload}_gate_replay", f"{workload}: accepted share vs tau, both gates")]
