@@ -71,9 +71,10 @@ def series_name(row) -> str:
 
 
 def _style(series: str) -> dict:
-    """One colour per method (as in the report), dashed for the paper gate, solid otherwise."""
+    """One colour per method (as in the report); the paper gate dashed with square markers."""
     method, _, gate = series.partition(" ")
-    return {"color": COLORS.get(method, "gray"), "ls": "--" if gate == "paper" else "-", "marker": "o"}
+    paper = gate == "paper"
+    return {"color": COLORS.get(method, "gray"), "ls": "--" if paper else "-", "marker": "s" if paper else "o"}
 
 
 def _x(kind: str, df: pd.DataFrame) -> pd.Series:
