@@ -132,9 +132,8 @@ def sweep_figure(df: pd.DataFrame, kind: str, title: str):
 def pareto_figure(df: pd.DataFrame, title: str):
     """Fidelity vs measured rho for every point of the tau sweep (paper: fidelity at matched rho):
     KV relative error (lower is better), first-token and answer agreement with NonShared (higher is
-    better);
-    one line per series (KVCMAS/KVComm per gate along tau, the recomputation methods along rho).
-    Returns (figure, axes list)."""
+    better); one line per series (KVCMAS/KVComm per gate along tau, the recomputation methods along
+    rho). Returns (figure, axes list)."""
     pts = df[df["method"] != "nonshared"].dropna(subset=["reuse_ratio"]).copy()
     pts["_series"] = [series_name(r) for _, r in pts.iterrows()]
     metrics = [
@@ -144,7 +143,9 @@ def pareto_figure(df: pd.DataFrame, title: str):
     for ax, metric in zip(axes[0], metrics):
         for series, g in pts.dropna(subset=[metric]).groupby("_series", sort=False):
             g = g.sort_values("reuse_ratio")
-            ax.plot(list(g["reuse_ratio"]), list(g[metric]), marker="o", label=series, gid=f"pareto-{metric}:{series}")
+            ax.plot(
+                list(g["reuse_ratio"]), list(g[metric]), label=series, gid=f"pareto-{metric}:{series}", **_style(series)
+            )
         ax.set_xlabel("measured reuse ratio rho")
         ax.set_ylabel(METRICS[metric])
         ax.grid(alpha=0.3)
