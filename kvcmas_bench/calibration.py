@@ -131,9 +131,50 @@ def tau_for_reuse(entropies: list[tuple[float, int]], target: float) -> float:
     return tau
 
 
+#: how far (in share of gated tokens) the best tau may land from ``--target-reuse``
+REUSE_TOLERANCE = 0.05
+#: entropies at or below this count as "one-hot" (the degenerate paper gate on real caches)
+ONE_HOT_ENTROPY = 1e-3
+
+
+def accepted_share(entropies: list[tuple[float, int]], tau: float) -> float:
+    """Share of the gated tokens whose decision tau accepts (entropy <= tau)."""
+    total = sum(n for _, n in entropies)
+    return sum(n for h, n in entropies if h <= tau) / total if total else 0.0
+
+
+def check_reachable(entropies: list[tuple[float, int]], target: float, tau: float, gate: str = "paper") -> None:
+    """Raise a one-line :class:`BenchError` when ``target`` is out of reach of a meaningful tau.
+
+    Entropies at most :data:`ONE_HOT_ENTROPY` are one-hot decisions: telling them apart would take a
+    tau like 1e-80, which means nothing, so they count as one tie at 0. When they alone exceed the
+    target (the paper gate on real caches: raw distances differ by far more than T = 1), every tau in
+    [0, 1) accepts at least that share; the error says so. Otherwise the accepted share at the chosen
+    ``tau`` must lie within :data:`REUSE_TOLERANCE` of the target (the decisions may jump over it).
+    """
+    one_hot = accepted_share(entropies, ONE_HOT_ENTROPY)
+    if target > 0 and one_hot > target + REUSE_TOLERANCE:
+        why = "one-hot softmax over raw distances" if gate == "paper" else "one anchor far closer than the others"
+        raise BenchError(
+            f"--target-reuse {target:g} is out of reach with gate_mode={gate}: {one_hot:.0%} of the gated tokens of "
+            f"calibration have gate entropy ~0 ({why}), so every tau in [0, 1) accepts at least that share"
+            + ("; use --method-arg gate_mode=scaled" if gate == "paper" else "")
+        )
+    best = accepted_share(entropies, tau)
+    if abs(best - target) <= REUSE_TOLERANCE:
+        return
+    below = max([0.0] + [s for s in (accepted_share(entropies, h) for h, _ in entropies) if s < target])
+    raise BenchError(
+        f"--target-reuse {target:g} is out of reach: the accepted share of the {len(entropies)} gate decisions "
+        f"of calibration jumps from {below:.2f} to {best:.2f} (tau {tau:.3g}); use more --calib-samples"
+        + ("" if gate == "scaled" else " or --method-arg gate_mode=scaled")
+    )
+
+
 def auto_tau(method, flow_factory, calib: list, target: float):
     """Run calibration units with the gate closed (dense everywhere, pools filling as in a real
-    run), record every gate's entropy, and return a fresh method whose tau reaches ``target``."""
+    run), record every gate's entropy, and return a fresh method whose tau reaches ``target`` (a
+    one-line error when no tau can, see :func:`check_reachable`)."""
     cfg = {k: v for k, v in method.config().items() if k != "name"}
     probe = type(method)(**cfg)
     probe.tau = -1.0  # below every entropy: the gate never accepts
@@ -141,6 +182,7 @@ def auto_tau(method, flow_factory, calib: list, target: float):
     for u in calib:
         flow.run_unit(u)
     tau = tau_for_reuse(probe.entropies, target)
+    check_reachable(probe.entropies, target, tau, getattr(method, "gate_mode", "paper"))
     chosen = type(method)(**cfg)
     chosen.tau = tau  # may be -1 (target 0: accept nothing), outside the user-facing range
     return chosen, tau

@@ -1,4 +1,4 @@
-"""Command line: ``kvcmas-bench run | methods | workloads``.
+"""Command line: ``kvcmas-bench run | suite | report | compare | serve-sweep | analyze | ablate | methods | ...``.
 
 Every user error (unknown method, missing model, bad numbers) ends as one line on stderr and
 exit code 2; Ctrl-C keeps everything finished so far and the same command resumes.
@@ -293,7 +293,13 @@ def serve_sweep_cmd(
     err.print(f"results in {output_path}/ (summary.json, requests.jsonl, service.jsonl, traces.jsonl, plots)")
 
 
-@app.command("coverage")
+analyze_app = typer.Typer(
+    no_args_is_help=True,
+    help="The paper's analyses: effective rank of caches and deltas, chained vs non-chained error, coverage.",
+)
+app.add_typer(analyze_app, name="analyze")
+
+
 @on_interrupt("coverage is computed in one go and nothing was written; run the command again")
 def coverage_cmd(
     workload: str = typer.Option("mmlu", help="Workload whose agent workflow provides the shared segments."),
@@ -338,6 +344,194 @@ def coverage_cmd(
         t.add_row(*[fmt(row[c]) for c in cols])
     out.print(t)
     err.print(f"results in {output_path}/ (coverage.csv, coverage.json)")
+
+
+analyze_app.command("coverage")(coverage_cmd)
+app.command("coverage", help="Alias of `analyze coverage`. " + (coverage_cmd.__doc__ or ""))(coverage_cmd)
+
+
+@analyze_app.command("rank")
+@on_interrupt("the rank analysis is computed in one go and nothing was written; run the command again")
+def analyze_rank_cmd(
+    workloads: str = typer.Option("mmlu", "--workloads", "--workload", help="Workloads, comma-separated."),
+    limit: int = typer.Option(8, help="Samples per workload (seeded subset; at least 2)."),
+    seed: int = typer.Option(0, help="Seed of the sample subset."),
+    energy: float = typer.Option(0.9, help="Share of the squared singular values the effective rank keeps."),
+    ranks: str = typer.Option("1,2,4,8,16,32,64", help="Retained ranks of the reconstruction-error curve."),
+    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
+    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
+    output_path: str = typer.Option("runs/analyze-rank", "--output-path", "-o", help="Output directory."),
+    plots: bool = typer.Option(True, help="Draw the figures (PNG and SVG)."),
+) -> None:
+    """Effective rank per layer (minimum rank keeping --energy of the singular-value energy) of base
+    caches, PH-induced and PF-induced deltas, K and V apart, and the relative reconstruction error vs
+    retained rank, per workload (paper Figures 2 and 7)."""
+    from .jobs.analyze import RankOptions, rank_analysis
+
+    res = rank_analysis(
+        RankOptions(
+            workloads=_split(workloads) or [],
+            limit=limit,
+            seed=seed,
+            model=model,
+            device=device,
+            dtype=dtype,
+            max_new_tokens=max_new_tokens,
+            final_max_new_tokens=final_max_new_tokens,
+            energy=energy,
+            ranks=_ints("--ranks", ranks),
+            output_path=output_path,
+            plots=plots,
+        )
+    )
+    from .console import print_rank_summary
+
+    print_rank_summary(res.summary, energy, out)
+    err.print(f"results in {output_path}/ (rank_summary.csv, rank_per_layer.csv, rank_recon.csv, rank.json, figures/)")
+
+
+def _sweep_options(kind: str, **kw):
+    from .jobs.ablate import AblateOptions
+
+    return AblateOptions(kind=kind, **kw)
+
+
+@analyze_app.command("chain")
+@on_interrupt("finished samples are saved; run the same command again to resume")
+def analyze_chain_cmd(
+    workloads: str = typer.Option("mmlu", "--workloads", "--workload", help="Workloads, comma-separated."),
+    methods: str = typer.Option("kvcmas,kvcmas-nonchained", help="The chained and non-chained methods compared."),
+    limit: int | None = typer.Option(8, help="Samples per workload (the same for every method)."),
+    seed: int = typer.Option(0, help="Seed of the sample subset."),
+    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
+    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
+    topology: str = typer.Option("chain", help="Agent graph: chain, fan-out, fan-in or loop."),
+    tau: float | None = typer.Option(
+        None, help="Gate threshold (default: per workload); 1 accepts every gated decision."
+    ),
+    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
+    output_path: str = typer.Option("runs/analyze-chain", "--output-path", "-o", help="Output directory (resumable)."),
+    plots: bool = typer.Option(True, help="Draw the figures (PNG and SVG)."),
+) -> None:
+    """Relative KV error of chained vs non-chained correction over the same samples, per layer and per
+    agent in execution order (paper Figure 3); one resumable run directory per method (--fidelity)."""
+    from .console import SuiteProgress, print_chain
+    from .jobs.analyze import chain_analysis
+
+    opts = _sweep_options(
+        "chain",
+        methods=_split(methods),
+        workloads=_split(workloads) or [],
+        limit=limit,
+        seed=seed,
+        output_path=output_path,
+        model=model,
+        device=device,
+        dtype=dtype,
+        max_new_tokens=max_new_tokens,
+        final_max_new_tokens=final_max_new_tokens,
+        topology=topology,
+        method_args=knob_args(method_arg, tau=tau),
+        plots=plots,
+    )
+    progress = SuiteProgress(err)
+    try:
+        res = chain_analysis(opts, progress=progress)
+    finally:
+        if hasattr(progress, "matrix"):
+            progress.stop()
+    print_chain(res.per_agent, out)
+    err.print(f"results in {output_path}/ (chain_per_agent.csv, chain_per_layer.csv, figures/, one run per method)")
+    _raise_failed(res.failed, output_path)
+
+
+def _raise_failed(failed: dict, output_path: str) -> None:
+    if failed:
+        first, msg = next(iter(failed.items()))
+        raise BenchError(f"{len(failed)} point(s) failed ({first}: {msg}); see {output_path}/suite.json")
+
+
+@app.command("ablate")
+@on_interrupt("finished samples are saved; run the same command again to resume")
+def ablate_cmd(
+    kind: str = typer.Argument(..., help="rank, anchors, tau, agents or rounds."),
+    values: str | None = typer.Option(
+        None,
+        help="Swept values (rank: 16,32,64 (full = full-dimensional); anchors: 1,2,5,10,20; "
+        "tau: 0.1,0.3,0.5,0.7,0.9; agents: 2,4,8; rounds: 1,2,3).",
+    ),
+    delta_ranks: str | None = typer.Option(
+        None, help="rank: delta ranks r_D (every pair with --values); default r_D = r_C."
+    ),
+    gates: str | None = typer.Option(None, help="tau: gates, paper and/or scaled (default both)."),
+    rhos: str | None = typer.Option(None, help="tau: reuse ratios of the recomputation methods (default 0.6,0.8,0.9)."),
+    methods: str | None = typer.Option(
+        None,
+        help="Methods (default: kvcmas; tau: kvcmas,kvcomm,cacheblend,droidspeak,relaycaching; "
+        "agents/rounds: kvcmas,cacheblend); NonShared is always added as the reference.",
+    ),
+    workloads: str = typer.Option("mmlu", "--workloads", "--workload", help="Workloads, comma-separated."),
+    limit: int | None = typer.Option(8, help="Samples per workload (the same for every point)."),
+    seed: int = typer.Option(0, help="Seed of the sample subset."),
+    output_path: str | None = typer.Option(
+        None, "--output-path", "-o", help="Ablation directory (default runs/ablate-KIND); re-running resumes."
+    ),
+    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
+    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
+    fidelity: bool = typer.Option(True, help="Record KV error and first-token agreement against dense."),
+    calib_samples: int = typer.Option(4, help="Held-out calibration samples (DroidSpeak, RelayCaching, GraphFlow)."),
+    topology: str = typer.Option("chain", help="Agent graph: chain, fan-out, fan-in or loop."),
+    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
+    plots: bool = typer.Option(True, help="Draw the figures (PNG and SVG)."),
+) -> None:
+    """The paper's ablations as resumable sweeps: rank (r_C, r_D), anchors (V), tau (both gates; rho,
+    agreement with NonShared, KV error, TTFT; fidelity vs rho at matched rho), agents and rounds. Each
+    point is an ordinary run directory (`report DIR` reads them all); writes ablate-KIND.csv/.md and figures."""
+    from .console import SuiteProgress, print_ablation
+
+    target = output_path or f"runs/ablate-{kind}"
+    opts = _sweep_options(
+        kind,
+        values=_split(values),
+        delta_ranks=_split(delta_ranks),
+        gates=_split(gates),
+        rhos=_floats("--rhos", rhos) if rhos else None,
+        methods=_split(methods),
+        workloads=_split(workloads) or [],
+        limit=limit,
+        seed=seed,
+        output_path=target,
+        model=model,
+        device=device,
+        dtype=dtype,
+        max_new_tokens=max_new_tokens,
+        final_max_new_tokens=final_max_new_tokens,
+        fidelity=fidelity,
+        calib_samples=calib_samples,
+        topology=topology,
+        method_args=knob_args(method_arg),
+        plots=plots,
+    )
+    from .jobs.ablate import run_ablation
+
+    progress = SuiteProgress(err)
+    try:
+        res = run_ablation(opts, progress=progress)
+    finally:
+        if hasattr(progress, "matrix"):
+            progress.stop()
+    print_ablation(res.table, kind, out)
+    err.print(f"results in {target}/ ({', '.join(p.name for p in res.files)}, figures/, one run per point)")
+    _raise_failed(res.failed, target)
 
 
 @app.command("suite")

@@ -326,3 +326,62 @@ def print_compare(cmp, console: Console) -> None:
                 console.print(f"  - {item}", markup=False, highlight=False)
             if len(items) > 10:
                 console.print(f"  ... and {len(items) - 10} more (see the --markdown report)")
+
+
+RANK_COLUMNS = (
+    Column("workload", "workload", "text", 0, "left"),
+    Column("kind", "matrix", "text", 0, "left"),
+    Column("part", "K/V", "text", 0),
+    Column("tokens", "tokens (mean)", "num", 3),
+    Column("dim", "D", "int", 4),
+    Column("effective_rank", "eff. rank (mean over layers)", "num", 0),
+    Column("effective_rank_max_layer", "max layer", "num", 2),
+    Column("err_r8", "rel. error r=8", "err", 1),
+    Column("err_r32", "rel. error r=32", "err", 1),
+)
+
+
+def print_rank_summary(df, energy: float, console: Console) -> None:
+    """``analyze rank``: effective rank per workload, matrix kind and K/V, with reconstruction errors."""
+    from .analysis.rank import KIND_LABELS
+
+    rows = [{**r, "kind": KIND_LABELS.get(r["kind"], r["kind"])} for r in df.to_dict("records")]
+    cols = [c for c in RANK_COLUMNS if not rows or c.key in rows[0]]
+    title = f"effective rank ({energy:.0%} of the singular-value energy) and reconstruction error"
+    console.print(fitted_table(console, title, cols, rows, more="rank_summary.csv"))
+
+
+CHAIN_COLUMNS = (
+    Column("workload", "workload", "text", 3, "left"),
+    Column("step", "step", "int", 0),
+    Column("node", "agent", "text", 0, "left"),
+    Column("method", "method", "text", 0, "left"),
+    Column("segments", "shared segments", "int", 4),
+    Column("corrected", "corrected", "int", 2),
+    Column("kv_rel_error", "KV error (all)", "err", 0),
+    Column("kv_rel_error_corrected", "KV error (corrected)", "err", 0),
+)
+
+
+def print_chain(df, console: Console) -> None:
+    """``analyze chain``: KV error per agent in execution order, chained next to non-chained."""
+    if df.empty:
+        console.print("no shared segments with a measured error")
+        return
+    rows = df.sort_values(["workload", "step", "method"]).to_dict("records")
+    title = "relative KV error per agent (all shared segments; corrected ones only)"
+    console.print(fitted_table(console, title, list(CHAIN_COLUMNS), rows, more="chain_per_agent.csv"))
+
+
+def print_ablation(df, kind: str, console: Console) -> None:
+    """``ablate``: one table per workload, one row per point."""
+    from .analysis.ablation import table_columns
+
+    if df.empty:
+        console.print("no finished points")
+        return
+    for w, g in df.groupby("workload", sort=False):
+        title = f"ablate {kind}: {w} (n = {int(g['n'].max())})"
+        console.print(
+            fitted_table(console, title, table_columns(kind, g), g.to_dict("records"), more=f"ablate-{kind}.md")
+        )

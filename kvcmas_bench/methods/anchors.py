@@ -88,29 +88,38 @@ class Anchor:
 @dataclass(eq=False)
 class ConsumerStack:
     """The low-rank ``B`` factors of one consumer's anchors side by side, per part:
-    ``b[part]`` is ``[layers, sum r_v, D]`` in the order of ``anchors``."""
+    ``b[part]`` is ``[layers, sum r_v, D]`` in the order of ``anchors`` (parts stored full, e.g.
+    full-dimensional deltas, are not stacked)."""
 
+    consumer: str = ""
     anchors: list[Anchor] = field(default_factory=list)
     b: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def _parts(self, anchor: Anchor) -> list[str]:
+        return [p for p in PARTS if anchor.factor(p, self.consumer).b is not None]
+
     @classmethod
     def build(cls, anchors: list[Anchor], consumer: str) -> ConsumerStack:
-        stack = cls(list(anchors))
+        stack = cls(consumer, list(anchors))
         if anchors:
-            stack.b = {p: torch.cat([a.factor(p, consumer).b for a in anchors], dim=1) for p in PARTS}
+            parts = [p for p in PARTS if all(a.factor(p, consumer).b is not None for a in anchors)]
+            stack.b = {p: torch.cat([a.factor(p, consumer).b for a in anchors], dim=1) for p in parts}
         return stack
 
-    def append(self, anchor: Anchor, consumer: str) -> None:
+    def append(self, anchor: Anchor) -> None:
         self.anchors.append(anchor)
-        new = {p: anchor.factor(p, consumer).b for p in PARTS}
-        self.b = {p: torch.cat([self.b[p], new[p]], dim=1) for p in PARTS} if self.b else new
+        new = {p: anchor.factor(p, self.consumer).b for p in self._parts(anchor)}
+        self.b = {p: torch.cat([self.b[p], new[p]], dim=1) for p in new} if len(self.anchors) > 1 else new
 
     def remove(self, anchor: Anchor) -> None:
         i = self.anchors.index(anchor)
-        lo = sum(a.base_k.rank for a in self.anchors[:i])
-        hi = lo + anchor.base_k.rank
+        out = {}
+        for p, t in self.b.items():
+            lo = sum(a.factor(p, self.consumer).rank for a in self.anchors[:i])
+            hi = lo + anchor.factor(p, self.consumer).rank
+            out[p] = torch.cat([t[:, :lo], t[:, hi:]], dim=1)
         self.anchors.pop(i)
-        self.b = {p: torch.cat([t[:, :lo], t[:, hi:]], dim=1) for p, t in self.b.items()} if self.anchors else {}
+        self.b = out if self.anchors else {}
 
     @property
     def nbytes(self) -> int:
@@ -156,9 +165,12 @@ class AnchorPool:
         rank: int | None,
         dtype: torch.dtype | None = None,
         svd: str = "gram",
+        delta_rank: int | None = -1,
     ) -> Anchor:
-        """Insert the observed correction; an anchor built from the same source gains a consumer."""
-        dk, dv = Factor.make(delta_k, rank, dtype, svd), Factor.make(delta_v, rank, dtype, svd)
+        """Insert the observed correction; an anchor built from the same source gains a consumer.
+        ``rank`` factors the base, ``delta_rank`` the deltas (-1: ``rank``; None: full)."""
+        rd = rank if delta_rank == -1 else delta_rank
+        dk, dv = Factor.make(delta_k, rd, dtype, svd), Factor.make(delta_v, rd, dtype, svd)
         for a in self.anchors:
             if a.source_key == source_key:
                 a.deltas[consumer] = (dk, dv)
@@ -184,8 +196,8 @@ class AnchorPool:
         stack = self.stacks.get(consumer)
         if stack is None:
             return
-        if anchor is self.anchors[-1] and anchor not in stack.anchors and anchor.base_k.b is not None:
-            stack.append(anchor, consumer)
+        if anchor is self.anchors[-1] and anchor not in stack.anchors:
+            stack.append(anchor)
         else:
             del self.stacks[consumer]
 

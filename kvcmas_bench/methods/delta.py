@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 
 from ..engine import SegmentContext, SegmentKV
+from ..ops.gate import GATES, gate_scores
 from ..ops.lowrank import (
     from_rows,
     gate_entropy,
@@ -60,6 +61,13 @@ class OnlineDeltaCorrection(Method):
     #: anchor factorization: "gram" (top eigenvectors of the per-layer Gram matrix: the exact
     #: truncated SVD at a fraction of its cost) or "exact" (a full SVD of every layer)
     svd: str = "gram"
+    #: gate scores (``ops/gate.py``): "paper" = raw distances, softmax T = 1 (Eq. 9-10); "scaled" =
+    #: relative excess distance over the closest anchor, in units of ``gate_temperature``
+    gate_mode: str = "paper"
+    #: scaled gate: the relative distance gap that weighs e times less (two anchors 1% apart: entropy 0.84)
+    gate_temperature: float = 0.01
+    #: rank r_D of the stored deltas (None: ``rank``); ``rank`` is r_C, the rank of the base caches
+    delta_rank: int | None = None
     pools: dict[str, AnchorPool] = state(default_factory=dict)
     stats: dict[str, int] = state(default_factory=dict)
     entropies: list[tuple[float, int]] = state(default_factory=list)
@@ -72,6 +80,15 @@ class OnlineDeltaCorrection(Method):
         check(self.anchors >= 1, f"--anchors must be a positive integer, got {self.anchors}")
         check(0.0 <= self.tau <= 1.0, f"--tau must lie in [0, 1], got {self.tau}")
         check(self.rank is None or self.rank >= 1, f"--rank must be a positive integer, got {self.rank}")
+        check(
+            self.delta_rank is None or self.delta_rank >= 1,
+            f"delta_rank must be a positive integer or none, got {self.delta_rank}",
+        )
+        check(self.gate_mode in GATES, f"gate_mode must be one of {', '.join(GATES)}, got {self.gate_mode!r}")
+        check(
+            self.gate_temperature > 0 and math.isfinite(self.gate_temperature),
+            f"gate_temperature must be a positive number, got {self.gate_temperature}",
+        )
         check(
             self.temperature > 0 and math.isfinite(self.temperature),
             f"temperature must be a positive number, got {self.temperature}",
@@ -168,9 +185,11 @@ class OnlineDeltaCorrection(Method):
         k = min(S, lengths[1])
         cands = pool.compatible(consumer, k)
         dist_v = self.token_sqdist(pool, consumer, cands, "base_v", ref_v[:, :k])
-        h, g = gate_entropy(dist_v.sum(1).sqrt(), self.temperature)
+        sq = dist_v.sum(1)
+        h, g = gate_entropy(gate_scores(sq, self.gate_mode, self.gate_temperature), self.temperature)
         self.entropies.append((h, S))
-        details.update(compare_tokens=k, entropy=h, anchors_compared=len(cands))
+        distances = [float(f"{x:.6g}") for x in sq.double().sqrt().tolist()]
+        details.update(compare_tokens=k, entropy=h, anchors_compared=len(cands), distances=distances)
         if h > self.tau:
             details["gate"] = "rejected"
             return None
@@ -285,7 +304,8 @@ class OnlineDeltaCorrection(Method):
         dtype = getattr(torch, self.anchor_dtype) if self.anchor_dtype else exact.k.dtype
         ex_k -= ref_k
         ex_v -= ref_v
-        pool.add(source_key, ref_k, ref_v, consumer, ex_k, ex_v, self.rank, dtype, self.svd)
+        rd = self.rank if self.delta_rank is None else self.delta_rank
+        pool.add(source_key, ref_k, ref_v, consumer, ex_k, ex_v, self.rank, dtype, self.svd, delta_rank=rd)
         self._count("anchors_inserted")
 
     def state_bytes(self) -> int:

@@ -28,6 +28,7 @@ class KVComm(OnlineDeltaCorrection):
     anchors: int = 20
     tau: float = 0.3
     rank: int | None = field(default=None, init=False)
+    delta_rank: int | None = field(default=None, init=False)
     chained: bool = False
     exact_layer0: bool = True
 

@@ -141,10 +141,11 @@ def token_weights(dist: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 
 def effective_rank(z: torch.Tensor, energy: float = 0.9) -> float:
-    """Mean over layers of the smallest rank keeping ``energy`` of the squared singular values."""
-    s = torch.linalg.svdvals(z.float())
-    e = s.square().cumsum(-1) / s.square().sum(-1, keepdim=True).clamp_min(1e-30)
-    return float((e < energy).sum(-1).add(1).float().mean())
+    """Mean over layers of the smallest rank keeping ``energy`` of the squared singular values
+    (per layer: :func:`kvcmas_bench.ops.spectrum.effective_ranks`)."""
+    from .spectrum import effective_ranks
+
+    return float(effective_ranks(z, energy).double().mean())
 
 
 def row_sqnorms(a: torch.Tensor) -> torch.Tensor:

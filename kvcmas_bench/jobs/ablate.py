@@ -1,0 +1,518 @@
+"""The ``ablate`` job: the paper's ablations as resumable sweeps of ordinary run directories.
+
+Kinds (the swept values, ``--values``):
+
+- ``rank``: the base-cache rank r_C (``rank``) and, with ``--delta-ranks``, the delta rank r_D
+  (``delta_rank``; every pair); without it r_D = r_C. ``full`` = full-dimensional anchors.
+- ``anchors``: the pool size V (V = 1 bypasses the gate).
+- ``tau``: the gate threshold under each gate (``--gates paper,scaled``) for every method with a gate
+  threshold; methods with a reuse ratio (CacheBlend, DroidSpeak, RelayCaching) run at ``--rhos``
+  instead, so that fidelity can be compared at matched rho (paper Table 6 and the Pareto of fidelity
+  vs rho).
+- ``agents`` (2/4/8) and ``rounds`` (1/2/3): the workflow size, every method (paper Tables 14-15).
+
+Layout: ``DIR/suite.json`` (``"command": "ablate"``: settings, and per point its path, parameters,
+status, sample count and error, so that ``report DIR`` reads every point), one run directory per
+point (``DIR/<workload>/<point>/``), NonShared over the same samples once per workflow setting (the
+reference of agreement), and the results: ``DIR/ablate-<kind>.csv`` and ``.md`` (one row per point)
+and ``DIR/figures/``. Re-running the same command resumes: finished points are skipped without
+loading a model, a partial one resumes at its first unfinished sample; other settings are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from ..errors import BenchError
+from ..methods import METHODS, expand_methods, resolve_method, resolve_methods
+from ..ops.gate import GATES
+from ..results.frames import read_json, read_jsonl
+from ..results.outdir import atomic_write, lock_output_dir
+from ..results.records import write_json
+from ..workloads import get_workload
+from .run import RunOptions, select_samples
+from .run import run as run_job
+
+KINDS = ("rank", "anchors", "tau", "agents", "rounds")
+DEFAULT_VALUES = {
+    "rank": "16,32,64",
+    "anchors": "1,2,5,10,20",
+    "tau": "0.1,0.3,0.5,0.7,0.9",
+    "agents": "2,4,8",
+    "rounds": "1,2,3",
+}
+DEFAULT_METHODS = {
+    "rank": "kvcmas",
+    "anchors": "kvcmas",
+    "tau": "kvcmas,kvcomm,cacheblend,droidspeak,relaycaching",
+    "agents": "kvcmas,cacheblend",
+    "rounds": "kvcmas,cacheblend",
+    "chain": "kvcmas,kvcmas-nonchained",
+}
+DEFAULT_RHOS = (0.6, 0.8, 0.9)
+#: settings a resumed ablation directory must share
+STRICT_KEYS = (
+    "kind",
+    "model",
+    "dtype",
+    "seed",
+    "max_new_tokens",
+    "final_max_new_tokens",
+    "fidelity",
+    "calib_samples",
+    "topology",
+    "method_args",
+)
+
+
+@dataclass
+class AblateOptions:
+    kind: str
+    values: list[str] | None = None
+    delta_ranks: list[str] | None = None
+    #: ``tau``: the gates (default both) and the reuse ratios of the recomputation methods
+    gates: list[str] | None = None
+    rhos: list[float] | None = None
+    methods: list[str] | None = None
+    workloads: list[str] = field(default_factory=lambda: ["mmlu"])
+    limit: int | None = 8
+    seed: int = 0
+    output_path: str = "runs/ablate"
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    max_new_tokens: int | None = None
+    final_max_new_tokens: int | None = None
+    fidelity: bool = True
+    calib_samples: int = 4
+    topology: str = "chain"
+    #: knob values for every method that has them (typed flags and ``--method-arg`` pairs)
+    method_args: dict = field(default_factory=dict)
+    #: run NonShared too (the reference of agreement)
+    reference: bool = True
+    plots: bool = True
+
+    def settings(self) -> dict:
+        return json.loads(json.dumps({k: getattr(self, k) for k in (*STRICT_KEYS, "limit", "device")}))
+
+
+@dataclass
+class Point:
+    """One run of the sweep: a method with its options in one workflow setting."""
+
+    workload: str
+    name: str
+    method: str
+    method_args: dict = field(default_factory=dict)
+    #: the swept values, as table columns (``{"gate": "scaled", "tau": 0.3}``)
+    params: dict = field(default_factory=dict)
+    agents: int | None = None
+    rounds: int = 1
+    #: samples it evaluates
+    n: int = 0
+
+    @property
+    def cell(self) -> str:
+        return f"{self.workload}/{self.name}"
+
+
+@dataclass
+class AblateResult:
+    out_dir: Path
+    points: list[Point]
+    table: pd.DataFrame
+    skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    figures: list = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+
+
+def _parse_values(kind: str, values: list[str]) -> list:
+    """The swept values of ``kind``, converted (ranks: int or None for ``full``)."""
+    out = []
+    for v in values:
+        try:
+            if kind == "rank":
+                out.append(None if v.strip().lower() == "full" else int(v))
+            elif kind == "tau":
+                out.append(float(v))
+            else:
+                out.append(int(v))
+        except ValueError:
+            what = "integers or full" if kind == "rank" else ("numbers" if kind == "tau" else "integers")
+            raise BenchError(f"ablate {kind}: --values takes comma-separated {what}, got {v!r}") from None
+    if not out:
+        raise BenchError(f"ablate {kind}: no --values given")
+    return list(dict.fromkeys(out))
+
+
+def _label(v) -> str:
+    return "full" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def sweep_points(opts: AblateOptions, workload: str, methods: list[str]) -> list[Point]:
+    """The points of one workload (NonShared references added by :func:`plan_points`)."""
+    kind = opts.kind
+    if kind == "chain":  # analyze chain: the methods as they are
+        return [Point(workload, m, m) for m in methods]
+    vals = _parse_values(kind, opts.values or DEFAULT_VALUES.get(kind, "").split(","))
+    pts: list[Point] = []
+    for m in methods:
+        knobs = METHODS[m].knobs()
+        if kind == "rank":
+            _need(m, knobs, "rank", kind)
+            drs = _parse_values("rank", opts.delta_ranks) if opts.delta_ranks else None
+            for rc in vals:
+                for rd in drs if drs is not None else [rc]:
+                    if rd is None and rc is not None:
+                        raise BenchError("ablate rank: a full-dimensional delta needs --values full (r_C = r_D = full)")
+                    args = {"rank": rc, "delta_rank": None if rd == rc else rd}
+                    params = {"r_C": _label(rc), "r_D": _label(rd)}
+                    pts.append(Point(workload, f"{m}-r{_label(rc)}-{_label(rd)}", m, args, params))
+        elif kind == "anchors":
+            _need(m, knobs, "anchors", kind)
+            pts += [Point(workload, f"{m}-V{v}", m, {"anchors": v}, {"V": v}) for v in vals]
+        elif kind == "tau":
+            pts += _tau_points(opts, workload, m, knobs, vals)
+        else:  # agents, rounds
+            for v in vals:
+                p = Point(workload, f"{m}-{kind[0].upper()}{v}", m, {}, {kind: v})
+                p.agents, p.rounds = (v, 1) if kind == "agents" else (None, v)
+                pts.append(p)
+    return pts
+
+
+def _need(method: str, knobs: dict, knob: str, kind: str) -> None:
+    if knob not in knobs:
+        raise BenchError(f"ablate {kind}: method {method!r} has no option {knob!r}")
+
+
+def _tau_points(opts: AblateOptions, workload: str, m: str, knobs: dict, taus: list[float]) -> list[Point]:
+    """A gated method: every gate x tau; a method with a reuse ratio: every rho; others: one point."""
+    gates = opts.gates or list(GATES)
+    if "tau" in knobs:
+        bad = [g for g in gates if g not in GATES]
+        if bad:
+            raise BenchError(f"--gates takes {', '.join(GATES)}, got {','.join(gates)!r}")
+        return [
+            Point(workload, f"{m}-{g}-tau{t:g}", m, {"gate_mode": g, "tau": t}, {"gate": g, "tau": t})
+            for g in gates
+            for t in taus
+        ]
+    if "rho" in knobs:
+        return [Point(workload, f"{m}-rho{r:g}", m, {"rho": r}, {"rho": r}) for r in opts.rhos or DEFAULT_RHOS]
+    return [Point(workload, m, m, {}, {})]
+
+
+def plan_points(opts: AblateOptions) -> list[Point]:
+    """Check everything and return the points (NonShared first per workflow setting); no model loads."""
+    from ..modeling import resolve_device, resolve_dtype
+
+    if opts.kind not in (*KINDS, "chain"):
+        raise BenchError(f"unknown ablation {opts.kind!r}; use one of {', '.join(KINDS)}")
+    for flag, given, kinds in (
+        ("--delta-ranks", opts.delta_ranks, ("rank",)),
+        ("--gates", opts.gates, ("tau",)),
+        ("--rhos", opts.rhos, ("tau",)),
+    ):
+        if given and opts.kind not in kinds:
+            raise BenchError(f"{flag} applies to ablate {', '.join(kinds)}, not {opts.kind}")
+    for r in opts.rhos or ():
+        if not 0.0 <= r <= 1.0:
+            raise BenchError(f"--rhos must lie in [0, 1], got {r:g}")
+    methods = [m for m in expand_methods(opts.methods or DEFAULT_METHODS[opts.kind].split(",")) if m != "nonshared"]
+    workloads = list(dict.fromkeys(opts.workloads))
+    if not workloads:
+        raise BenchError("no workloads given (comma-separated, e.g. mmlu,gsm8k)")
+    resolve_methods([*methods, "nonshared"], opts.method_args)  # an option no method of the sweep has
+    base = _run_options(opts, Point(workloads[0], "x", methods[0] if methods else "nonshared"), Path("."))
+    base.validate()
+    resolve_device(opts.device)
+    resolve_dtype(opts.dtype)
+    points: list[Point] = []
+    for w in workloads:
+        workload = get_workload(w)
+        pts = sweep_points(opts, w, methods)
+        if opts.reference:
+            settings = list(dict.fromkeys((p.agents, p.rounds) for p in pts)) or [(None, 1)]
+            refs = [
+                Point(w, _ref_name(a, r, opts.kind), "nonshared", {}, _ref_params(a, r, opts.kind), a, r)
+                for a, r in settings
+            ]
+            pts = refs + pts
+        n = len(select_samples(workload.load(), opts.limit, opts.seed))
+        for p in pts:
+            p.n = n
+            _check_point(opts, p, workload)
+        points += pts
+    return points
+
+
+def _ref_name(agents, rounds, kind: str) -> str:
+    if kind == "agents":
+        return f"nonshared-A{agents}"
+    if kind == "rounds":
+        return f"nonshared-R{rounds}"
+    return "nonshared"
+
+
+def _ref_params(agents, rounds, kind: str) -> dict:
+    return {"agents": agents} if kind == "agents" else {"rounds": rounds} if kind == "rounds" else {}
+
+
+def _point_args(opts: AblateOptions, p: Point) -> dict:
+    knobs = METHODS[p.method].knobs()
+    return {**{k: v for k, v in opts.method_args.items() if k in knobs}, **p.method_args}
+
+
+def _check_point(opts: AblateOptions, p: Point, workload) -> None:
+    """The point's method options and run options, validated as ``run`` would (before any model)."""
+    try:
+        resolve_method(p.method, _point_args(opts, p), workload)
+    except BenchError as exc:
+        raise BenchError(f"ablate {opts.kind} point {p.cell}: {exc}") from None
+    _run_options(opts, p, Path(opts.output_path)).validate()
+
+
+def _run_options(opts: AblateOptions, p: Point, out_dir: Path) -> RunOptions:
+    return RunOptions(
+        method=p.method,
+        workload=p.workload,
+        model=opts.model,
+        limit=opts.limit,
+        output_path=str(out_dir / p.workload / p.name),
+        seed=opts.seed,
+        device=opts.device,
+        dtype=opts.dtype,
+        max_new_tokens=opts.max_new_tokens,
+        final_max_new_tokens=opts.final_max_new_tokens,
+        fidelity=opts.fidelity,
+        calib_samples=opts.calib_samples,
+        topology=opts.topology,
+        agents=p.agents,
+        rounds=p.rounds,
+        method_args=_point_args(opts, p),
+    )
+
+
+def open_manifest(out_dir: Path, opts: AblateOptions, points: list[Point]) -> dict:
+    """The manifest of ``out_dir``, new or resumed (refused when its settings differ)."""
+    path = out_dir / "suite.json"
+    settings = opts.settings()
+    old = read_json(path) if path.exists() else None
+    if old is not None and old.get("command") != "ablate":
+        raise BenchError(f"{path} is not an ablation manifest; use another --output-path")
+    prev = (old or {}).get("settings", {})
+    for k in STRICT_KEYS if old is not None else ():
+        if prev.get(k) != settings[k]:
+            raise BenchError(
+                f"{out_dir} holds an ablation with a different {k} ({prev.get(k)!r} vs {settings[k]!r}); "
+                "use another --output-path"
+            )
+    cells = dict((old or {}).get("cells", {}))
+    if old is not None and prev.get("limit") != settings["limit"]:
+        cells = {k: {**v, "status": "pending"} for k, v in cells.items()}
+    for p in points:
+        cells.setdefault(p.cell, {"path": p.cell, "status": "pending"})
+        cells[p.cell].update(workload=p.workload, method=p.method, params=p.params, agents=p.agents, rounds=p.rounds)
+    return {"command": "ablate", "kind": opts.kind, "settings": settings, "cells": cells}
+
+
+def run_ablation(opts: AblateOptions, progress=None) -> AblateResult:
+    """Run (or resume) every point, then tabulate and plot; returns what ran, was skipped or failed.
+
+    ``progress``: optional object as for ``suite`` (``begin``, ``cell``, ``end_cell``)."""
+    points = plan_points(opts)
+    with lock_output_dir(opts.output_path) as out_dir:  # one ablation per directory at a time
+        res = _run_points(opts, points, out_dir, progress)
+        if opts.kind in KINDS and not res.table.empty:
+            write_outputs(res, opts.kind, opts.plots)
+    return res
+
+
+def _run_points(opts: AblateOptions, points: list[Point], out_dir: Path, progress) -> AblateResult:
+    manifest = open_manifest(out_dir, opts, points)
+    write_json(out_dir / "suite.json", manifest)
+    cells = [_Cell(p.cell, p.n) for p in points]
+    res = AblateResult(out_dir, points, pd.DataFrame())
+    res.skipped = [p.cell for p in points if _done(manifest["cells"][p.cell], p)]
+    if progress is not None:
+        progress.begin(cells, set(res.skipped))
+    for p, c in zip(points, cells):
+        if p.cell not in res.skipped:
+            _run_point(p, c, opts, manifest, out_dir, res, progress)
+    if len(res.failed) < len(points):
+        res.table = ablation_table(out_dir, [p for p in points if p.cell not in res.failed] + earlier(manifest, points))
+    return res
+
+
+def earlier(manifest: dict, points: list[Point]) -> list[Point]:
+    """Finished points of earlier invocations into the same directory (other values or methods),
+    so that the table and figures cover everything the directory holds."""
+    current = {p.cell for p in points}
+    out = []
+    for name, c in manifest["cells"].items():
+        if name in current or c.get("status") != "done" or "method" not in c:
+            continue
+        w, _, point = str(c.get("path", name)).partition("/")
+        out.append(Point(w, point, c["method"], {}, dict(c.get("params") or {}), c.get("agents"), c.get("rounds", 1)))
+    return out
+
+
+@dataclass
+class _Cell:
+    name: str
+    n: int
+
+
+def _done(state: dict, p: Point) -> bool:
+    return state.get("status") == "done" and state.get("n") == p.n
+
+
+def _run_point(p: Point, cell: _Cell, opts, manifest: dict, out_dir: Path, res: AblateResult, progress) -> None:
+    state = manifest["cells"][p.cell]
+    ro = _run_options(opts, p, out_dir)
+    state.update(status="running", error=None, run_options=json.loads(json.dumps(asdict(ro), default=str)))
+    write_json(out_dir / "suite.json", manifest)
+    try:
+        summary = run_job(ro, progress=progress.cell(cell) if progress is not None else None)
+    except BenchError as exc:
+        state.update(status="failed", error=str(exc))
+        res.failed[p.cell] = str(exc)
+        if progress is not None:
+            progress.end_cell(cell, "failed", str(exc))
+    else:
+        state.update(status="done", n=summary.get("n"), accuracy=summary.get("accuracy"))
+        if progress is not None:
+            progress.end_cell(cell, "done", summary)
+    write_json(out_dir / "suite.json", manifest)
+
+
+def ablation_table(out_dir: Path, points: list[Point]) -> pd.DataFrame:
+    """One row per point: its parameters, Table 1 figures (accuracy, agreement with NonShared, rho,
+    KV error, TTFT, latency, memory) and generated tokens per second of E2E time."""
+    from ..report.tables import METHOD_ORDER, agreement, reference_for, run_metrics
+    from ..results.frames import load_dirs
+
+    results = load_dirs([out_dir])
+    by_path = {r.path.resolve(): r for r in results.runs}
+    rows = []
+    for p in points:
+        run = by_path.get((out_dir / p.workload / p.name).resolve())
+        if run is None:
+            continue
+        row = {"workload": p.workload, "point": p.name, "method": p.method, **p.params}
+        row.update(model=run.config.get("model"), device=run.config.get("device"))
+        row.update(run_metrics(run))
+        row.update(agreement(run, reference_for(run, results.runs)))
+        row["throughput_tok_s"] = _throughput(run)
+        row["gate_accept_share"] = _accept_share(out_dir / p.workload / p.name)
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    df["_m"] = df["method"].map(lambda m: order.get(m, len(order)))
+    df["_w"] = df["workload"].map({w: i for i, w in enumerate(dict.fromkeys(df["workload"]))})
+    return df.sort_values(["_w", "_m"], kind="stable").drop(columns=["_w", "_m"]).reset_index(drop=True)
+
+
+def _throughput(run) -> float | None:
+    s, r = run.samples, run.requests
+    if s.empty or r.empty or "latency_s" not in s:
+        return None
+    total = float(s["latency_s"].sum())
+    return float(r["output_tokens"].sum()) / total if total > 0 else None
+
+
+def _accept_share(run_dir: Path) -> float | None:
+    """Share of gated tokens (segments whose gate compared anchors) that the gate accepted."""
+    acc = tot = 0
+    for rec in read_jsonl(run_dir / "requests.jsonl", required=False):
+        for s in rec.get("segments", []):
+            d = s.get("details") or {}
+            if d.get("gate") in ("accepted", "rejected"):
+                tot += s.get("tokens", 0)
+                acc += s.get("tokens", 0) if d["gate"] == "accepted" else 0
+    return acc / tot if tot else None
+
+
+def write_outputs(res: AblateResult, kind: str, plots: bool = True) -> None:
+    """``ablate-<kind>.csv`` and ``.md`` (one table per workload) and the figures: each metric vs the
+    swept value, and for ``tau`` the Pareto of fidelity vs measured rho."""
+    from ..analysis.ablation import pareto_figure, sweep_figure, table_columns
+    from ..report.plots import save
+    from ..report.render import Document, Section, markdown
+
+    df, out = res.table, res.out_dir
+    res.files.append(out / f"ablate-{kind}.csv")
+    atomic_write(res.files[-1], df.to_csv(index=False))
+    sections = []
+    for w, g in df.groupby("workload", sort=False):
+        meta = (
+            f"{', '.join(sorted({str(m) for m in g['model']}))} on {', '.join(sorted({str(d) for d in g['device']}))}"
+        )
+        sections.append(
+            Section(
+                f"ablate {kind}: {w} ({meta}; n = {int(g['n'].max())})", table_columns(kind, g), g.to_dict("records")
+            )
+        )
+        if not plots:
+            continue
+        fig, _ = sweep_figure(g, kind, f"ablate {kind}: {w} ({meta})")
+        res.figures.append(save(fig, out / "figures", f"{w}_{kind}", f"{w}: metrics vs {kind}"))
+        if kind == "tau":
+            fig, _ = pareto_figure(g, f"{w}: fidelity vs measured rho ({meta})")
+            res.figures.append(save(fig, out / "figures", f"{w}_tau_pareto", f"{w}: fidelity vs rho at matched rho"))
+            res.figures += _replay(out, g, w)
+    doc = Document(f"kvcmas-bench ablate {kind}", [f"ablation directory: {out}"], sections, res.figures, DEFINITIONS)
+    res.files.append(out / f"ablate-{kind}.md")
+    atomic_write(res.files[-1], markdown(doc, out))
+
+
+DEFINITIONS = [
+    "agree w/ NonShared: share of samples whose final answer equals NonShared's over the same samples "
+    "(first-token agree: per request).",
+    "rho: (token, layer) entries served by reuse / reuse-eligible shared entries (summary.json definitions).",
+    "gated tokens accepted: share of the tokens of segments whose gate compared anchors that it accepted "
+    "(segments with fewer than two compatible anchors are dense and not gated).",
+    "KV rel. error: ||C - C_dense|| / ||C_dense|| over K and V, mean over every shared segment (with --fidelity).",
+    "tok/s: generated tokens / E2E time, over all samples.",
+]
+
+
+def recorded_decisions(run_dir: Path) -> list[tuple[list[float], int]]:
+    """Every gate decision of a run that compared anchors: its distances and the segment's tokens."""
+    out = []
+    for rec in read_jsonl(run_dir / "requests.jsonl", required=False):
+        for s in rec.get("segments", []):
+            d = s.get("details") or {}
+            if d.get("distances") and d.get("gate") in ("accepted", "rejected"):
+                out.append((list(d["distances"]), int(s.get("tokens", 0))))
+    return out
+
+
+def _replay(out: Path, g: pd.DataFrame, workload: str) -> list:
+    """``gate-replay-<workload>.csv`` and its figure: both gates' accepted share vs tau, replayed on
+    every gate decision the workload's gated points recorded (what tau does to the same decisions)."""
+    from ..analysis.ablation import replay_figure, replay_frame
+    from ..report.plots import save
+
+    gated = g[g["method"].map(lambda m: "tau" in METHODS[m].knobs())]
+    decisions = [d for p in gated["point"] for d in recorded_decisions(out / workload / p)]
+    if not decisions:
+        return []
+    temps = {
+        json.loads((out / workload / p / "config.json").read_text())["method_config"].get("gate_temperature")
+        for p in gated["point"]
+    }
+    temp = next(iter(temps)) if len(temps) == 1 and None not in temps else 0.01
+    df = replay_frame(decisions, [i / 40 for i in range(41)], temp)
+    atomic_write(out / f"gate-replay-{workload}.csv", df.to_csv(index=False))
+    title = f"{workload}: {len(decisions)} recorded gate decisions replayed (scaled gate_temperature {temp:g})"
+    fig, _ = replay_figure(df, title)
+    return [save(fig, out / "figures", f"{workload}_gate_replay", f"{workload}: accepted share vs tau, both gates")]
