@@ -212,7 +212,7 @@ class OnlineDeltaCorrection(Method):
         factors = [a.factor(part, consumer) for a in anchors]
         if all(f.b is not None for f in factors):
             b_all = pool.stacked_b(consumer, anchors)[part]
-            x_sq = x.square().sum(dim=(0, 2))
+            x_sq = torch.linalg.vector_norm(x, dim=(0, 2)).square_()
             return lowrank_token_sqdist(
                 x, x_sq, [f.a for f in factors], [f.sq for f in factors], b_all, [f.rank for f in factors]
             )
@@ -264,7 +264,7 @@ class OnlineDeltaCorrection(Method):
                     pool, consumer, dec.anchors, f"delta_{part}", token_weights(dist, self.temperature), k
                 )
             )
-        if not all(bool(torch.isfinite(c).all()) for c in corrs):
+        if not all(bool(torch.isfinite(c.sum())) for c in corrs):  # a NaN/inf anywhere reaches the sum
             return None
         ref_k[:, :k] += corrs[0]
         ref_v[:, :k] += corrs[1]
