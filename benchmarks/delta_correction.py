@@ -62,7 +62,6 @@ def fill_pool(method, slot: str, consumer: str, base_k, base_v, dk, dv, n: int, 
                 {consumer: first.deltas[consumer]},
             )
         )
-    pool.stacks.clear()
     method.pools[slot] = pool
     return pool
 

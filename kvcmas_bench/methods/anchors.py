@@ -5,9 +5,9 @@ coordinates; values as they are) and, per consuming node, the observed correctio
 either the full ``[layers, S, D]`` matrices or truncated-SVD factors per layer, separately for K and
 V. When the pool is full, the least frequently used anchor among the five oldest is evicted.
 
-For the correction's GEMMs the pool keeps, per consumer, the ``B`` factors of that consumer's anchors
-side by side (:class:`ConsumerStack`), updated on every insert and eviction; the large ``A`` factors
-are never copied into a stack (the distance and apply kernels read them in place).
+For the correction's GEMMs the small ``B`` factors of the anchors in use are stacked per call
+(:func:`stack_b`); the large ``A`` factors are never copied into a stack (the distance and apply
+kernels read them in place).
 """
 
 from __future__ import annotations
@@ -85,45 +85,14 @@ class Anchor:
         return self.deltas[consumer][0 if part == "delta_k" else 1]
 
 
-@dataclass(eq=False)
-class ConsumerStack:
-    """The low-rank ``B`` factors of one consumer's anchors side by side, per part:
-    ``b[part]`` is ``[layers, sum r_v, D]`` in the order of ``anchors`` (parts stored full, e.g.
-    full-dimensional deltas, are not stacked)."""
+def stack_b(anchors: list[Anchor], consumer: str, part: str) -> torch.Tensor:
+    """The low-rank ``B`` factors of ``part`` of ``anchors`` side by side: ``[layers, sum r_v, D]``
+    in the order of ``anchors``.
 
-    consumer: str = ""
-    anchors: list[Anchor] = field(default_factory=list)
-    b: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    def _parts(self, anchor: Anchor) -> list[str]:
-        return [p for p in PARTS if anchor.factor(p, self.consumer).b is not None]
-
-    @classmethod
-    def build(cls, anchors: list[Anchor], consumer: str) -> ConsumerStack:
-        stack = cls(consumer, list(anchors))
-        if anchors:
-            parts = [p for p in PARTS if all(a.factor(p, consumer).b is not None for a in anchors)]
-            stack.b = {p: torch.cat([a.factor(p, consumer).b for a in anchors], dim=1) for p in parts}
-        return stack
-
-    def append(self, anchor: Anchor) -> None:
-        self.anchors.append(anchor)
-        new = {p: anchor.factor(p, self.consumer).b for p in self._parts(anchor)}
-        self.b = {p: torch.cat([self.b[p], new[p]], dim=1) for p in new} if len(self.anchors) > 1 else new
-
-    def remove(self, anchor: Anchor) -> None:
-        i = self.anchors.index(anchor)
-        out = {}
-        for p, t in self.b.items():
-            lo = sum(a.factor(p, self.consumer).rank for a in self.anchors[:i])
-            hi = lo + anchor.factor(p, self.consumer).rank
-            out[p] = torch.cat([t[:, :lo], t[:, hi:]], dim=1)
-        self.anchors.pop(i)
-        self.b = out if self.anchors else {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.b.values())
+    Built per correction, not kept: ``B`` is ``[layers, r, D]`` per anchor (a few MB for a full pool,
+    milliseconds to copy) and a persistent stack per consumer would duplicate it in the method's state
+    (for short segments ``B`` is larger than ``A``)."""
+    return torch.cat([a.factor(part, consumer).b for a in anchors], dim=1)
 
 
 @dataclass
@@ -132,8 +101,6 @@ class AnchorPool:
     anchors: list[Anchor] = field(default_factory=list)
     inserted: int = 0
     evicted: int = 0
-    #: per consumer, its anchors' B factors side by side (derived: rebuilt after a resume)
-    stacks: dict[str, ConsumerStack] = field(default_factory=dict, repr=False, metadata={"transient": True})
 
     def compatible(self, consumer: str, k: int) -> list[Anchor]:
         """Anchors with a correction for ``consumer`` whose stored length is at least ``k``."""
@@ -141,18 +108,6 @@ class AnchorPool:
 
     def lengths(self, consumer: str) -> list[int]:
         return sorted((a.length for a in self.anchors if consumer in a.deltas), reverse=True)
-
-    def stacked_b(self, consumer: str, anchors: list[Anchor]) -> dict[str, torch.Tensor]:
-        """The B factors of ``anchors`` (all low-rank, all holding ``consumer``'s delta) side by side:
-        the maintained stack when they are all of the consumer's anchors, else a fresh one."""
-        stack = self.stacks.get(consumer)
-        if stack is None:
-            stack = self.stacks[consumer] = ConsumerStack.build(
-                [a for a in self.anchors if consumer in a.deltas], consumer
-            )
-        if len(stack.anchors) == len(anchors) and all(x is y for x, y in zip(stack.anchors, anchors)):
-            return stack.b
-        return ConsumerStack.build(anchors, consumer).b
 
     def add(
         self,
@@ -174,7 +129,6 @@ class AnchorPool:
         for a in self.anchors:
             if a.source_key == source_key:
                 a.deltas[consumer] = (dk, dv)
-                self._stack_changed(a, consumer)
                 return a
         if len(self.anchors) >= self.capacity:
             self.evict()
@@ -187,31 +141,16 @@ class AnchorPool:
         )
         self.inserted += 1
         self.anchors.append(anchor)
-        self._stack_changed(anchor, consumer)
         return anchor
-
-    def _stack_changed(self, anchor: Anchor, consumer: str) -> None:
-        """Keep ``consumer``'s stack in pool order: a new last anchor is appended, anything else
-        (a consumer added to an older anchor, a replaced delta) drops the stack until next use."""
-        stack = self.stacks.get(consumer)
-        if stack is None:
-            return
-        if anchor is self.anchors[-1] and anchor not in stack.anchors:
-            stack.append(anchor)
-        else:
-            del self.stacks[consumer]
 
     def evict(self) -> Anchor:
         """Least frequently used among the five oldest (ties: the oldest)."""
         oldest = sorted(self.anchors, key=lambda a: a.created)[:5]
         victim = min(oldest, key=lambda a: (a.count, a.created))
         self.anchors.remove(victim)
-        for stack in self.stacks.values():
-            if victim in stack.anchors:
-                stack.remove(victim)
         self.evicted += 1
         return victim
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.anchors) + sum(s.nbytes for s in self.stacks.values())
+        return sum(a.nbytes for a in self.anchors)

@@ -31,7 +31,7 @@ from ..ops.lowrank import (
     shift_to_rows,
     token_weights,
 )
-from .anchors import Anchor, AnchorPool
+from .anchors import Anchor, AnchorPool, stack_b
 from .base import Method, check, state
 
 
@@ -211,7 +211,7 @@ class OnlineDeltaCorrection(Method):
         k = x.shape[1]
         factors = [a.factor(part, consumer) for a in anchors]
         if all(f.b is not None for f in factors):
-            b_all = pool.stacked_b(consumer, anchors)[part]
+            b_all = stack_b(anchors, consumer, part)
             x_sq = torch.linalg.vector_norm(x, dim=(0, 2)).square_()
             return lowrank_token_sqdist(
                 x, x_sq, [f.a for f in factors], [f.sq for f in factors], b_all, [f.rank for f in factors]
@@ -283,7 +283,7 @@ class OnlineDeltaCorrection(Method):
         """``sum_v w[v, t] Delta_v[l, t]`` on the first ``k`` rows, ``[layers, k, D]`` float32."""
         factors = [a.factor(part, consumer) for a in anchors]
         if all(f.b is not None for f in factors):
-            b_all = pool.stacked_b(consumer, anchors)[part]
+            b_all = stack_b(anchors, consumer, part)
             return lowrank_apply(w, [f.a for f in factors], b_all, [f.rank for f in factors]).float()
         return sum(w[i][None, :, None] * f.rows(k).float() for i, f in enumerate(factors))
 
