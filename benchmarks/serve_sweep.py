@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     import torch
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -120,13 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     summary = evaluate_service(args.output_path, [0.0] + grid, console=None)
 
     table = Table(
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
         title=f"p50 / p90 TTFT (s) at {args.shared_tokens} shared tokens, {args.trajectories} trajectories, "
-        f"{args.output_tokens} output tokens; one-request-at-a-time FCFS server"
+        f"{args.output_tokens} output tokens; one-request-at-a-time FCFS server",
     )
     table.add_column("QPS (traj/s)", justify="right")
-    table.add_column("NonShared util", justify="right")
+    table.add_column("util", justify="right")  # NonShared's offered utilization
     for m in methods:
-        table.add_column(m, justify="right")
+        table.add_column(m, justify="right", min_width=len(m))  # wrap the cells, never cut the names
     by = {(r["method"], r["qps"]): r for r in summary["rows"]}
     qps_all = sorted({r["qps"] for r in summary["rows"]})
     for q in qps_all:

@@ -421,7 +421,7 @@ def analyze_chain_cmd(
 ) -> None:
     """Relative KV error of chained vs non-chained correction over the same samples, per layer and per
     agent in execution order (paper Figure 3); one resumable run directory per method (--fidelity)."""
-    from .console import SuiteProgress, print_chain
+    from .console import print_chain
     from .jobs.analyze import chain_analysis
 
     opts = _sweep_options(
@@ -440,21 +440,29 @@ def analyze_chain_cmd(
         method_args=knob_args(method_arg, tau=tau),
         plots=plots,
     )
-    progress = SuiteProgress(err)
-    try:
-        res = chain_analysis(opts, progress=progress)
-    finally:
-        if hasattr(progress, "matrix"):
-            progress.stop()
+    res = _with_progress(chain_analysis, opts)
     print_chain(res.per_agent, out)
     err.print(f"results in {output_path}/ (chain_per_agent.csv, chain_per_layer.csv, figures/, one run per method)")
     _raise_failed(res.failed, output_path)
 
 
-def _raise_failed(failed: dict, output_path: str) -> None:
+def _with_progress(job, opts):
+    """Run a matrix job (suite, ablation, chain analysis) under the suite's progress display."""
+    from .console import SuiteProgress
+
+    progress = SuiteProgress(err)
+    try:
+        return job(opts, progress=progress)
+    finally:
+        if hasattr(progress, "matrix"):
+            progress.stop()
+
+
+def _raise_failed(failed: dict, output_path: str, total: int | None = None, what: str = "point(s)") -> None:
     if failed:
         first, msg = next(iter(failed.items()))
-        raise BenchError(f"{len(failed)} point(s) failed ({first}: {msg}); see {output_path}/suite.json")
+        n = f"{len(failed)} of {total}" if total is not None else str(len(failed))
+        raise BenchError(f"{n} {what} failed ({first}: {msg}); see {output_path}/suite.json")
 
 
 @app.command("ablate")
@@ -496,7 +504,7 @@ def ablate_cmd(
     """The paper's ablations as resumable sweeps: rank (r_C, r_D), anchors (V), tau (both gates; rho,
     agreement with NonShared, KV error, TTFT; fidelity vs rho at matched rho), agents and rounds. Each
     point is an ordinary run directory (`report DIR` reads them all); writes ablate-KIND.csv/.md and figures."""
-    from .console import SuiteProgress, print_ablation
+    from .console import print_ablation
 
     target = output_path or f"runs/ablate-{kind}"
     opts = _sweep_options(
@@ -523,12 +531,7 @@ def ablate_cmd(
     )
     from .jobs.ablate import run_ablation
 
-    progress = SuiteProgress(err)
-    try:
-        res = run_ablation(opts, progress=progress)
-    finally:
-        if hasattr(progress, "matrix"):
-            progress.stop()
+    res = _with_progress(run_ablation, opts)
     print_ablation(res.table, kind, out)
     err.print(f"results in {target}/ ({', '.join(p.name for p in res.files)}, figures/, one run per point)")
     _raise_failed(res.failed, target)
@@ -558,7 +561,6 @@ def suite_cmd(
 ) -> None:
     """Run a matrix of methods x workloads (one resumable run directory per cell, the same samples for
     every method, NonShared as the reference) and write the report (Table 1, agreement, Pareto plots)."""
-    from .console import SuiteProgress
     from .jobs.report import console_table1
     from .jobs.suite import SuiteOptions, run_suite
 
@@ -579,20 +581,11 @@ def suite_cmd(
         report_formats=_split(report_format) or [],
         plots=plots,
     )
-    progress = SuiteProgress(err)
-    try:
-        res = run_suite(opts, progress=progress)
-    finally:
-        if hasattr(progress, "matrix"):
-            progress.stop()
+    res = _with_progress(run_suite, opts)
     if res.report is not None:
         console_table1(res.report, out)
         err.print(f"report in {res.report.out_dir}/ ({', '.join(p.name for p in res.report.files)}, figures/)")
-    if res.failed:
-        first, msg = next(iter(res.failed.items()))
-        raise BenchError(
-            f"{len(res.failed)} of {len(res.cells)} cells failed ({first}: {msg}); see {output_path}/suite.json"
-        )
+    _raise_failed(res.failed, output_path, len(res.cells), "cells")
 
 
 @app.command("report")

@@ -78,6 +78,22 @@ def run_cli(args: list[str]) -> int:
     return 0
 
 
+def interrupt_on_call(monkeypatch, module, name: str, n: int):
+    """Patch ``module.name`` to raise KeyboardInterrupt on its ``n``-th call (a user's Ctrl-C in
+    the middle of a run); returns the real function so a test can restore it."""
+    real = getattr(module, name)
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(module, name, flaky)
+    return real
+
+
 def rand_ids(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()

@@ -10,6 +10,7 @@ import pytest
 
 from kvcmas_bench.jobs import run as runner
 
+from .conftest import interrupt_on_call
 from .conftest import run_cli as _run
 
 
@@ -73,16 +74,7 @@ def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, tmp_path, mo
         "-o",
         str(out),
     ]
-    real = runner.run_one
-    calls = {"n": 0}
-
-    def flaky(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(runner, "run_one", flaky)
+    real = interrupt_on_call(monkeypatch, runner, "run_one", 3)
     assert _run(args) == 130
     assert "run the same command again to resume" in capsys.readouterr().err
     assert len(_lines(out / "samples.jsonl")) == 2

@@ -20,7 +20,7 @@ from kvcmas_bench.results.request import RequestRecord
 from kvcmas_bench.results.summary import accounting, fidelity, records_frame, reuse_ratio
 from kvcmas_bench.workloads import get_workload
 
-from .conftest import rand_ids, run_cli, tiny_model
+from .conftest import interrupt_on_call, rand_ids, run_cli, tiny_model
 
 PF_A, PF_B, PF_C = rand_ids(6, 10), rand_ids(9, 11), rand_ids(7, 15)
 TAIL = rand_ids(4, 13)
@@ -450,16 +450,7 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tiny_model_dir,
         "cpu",
     ]
     assert run_cli([*base, "-o", str(tmp_path / "whole")]) == 0
-    real = runner.run_one
-    calls = {"n": 0}
-
-    def flaky(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(runner, "run_one", flaky)
+    real = interrupt_on_call(monkeypatch, runner, "run_one", 3)
     assert run_cli([*base, "-o", str(tmp_path / "cut")]) == 130
     monkeypatch.setattr(runner, "run_one", real)
     assert run_cli([*base, "-o", str(tmp_path / "cut")]) == 0
