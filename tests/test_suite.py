@@ -169,3 +169,18 @@ def test_agreement_is_one_for_nonshared_and_for_exact_fullshared(one_layer_model
     ns, fs = sorted(load_dirs([out]).runs, key=lambda r: r.method != "nonshared")
     assert list(fs.samples["final_output"]) == list(ns.samples["final_output"])
     assert sample_agreement(fs, ns)["agree"].all()
+
+
+def test_resumed_manifest_is_refused_or_reset_as_its_settings_demand(tmp_path):
+    settings = {"model": "m", "seed": 0, "limit": 5}
+    assert suite_job.resume_manifest(tmp_path, "suite", settings, ("model", "seed")) == ({}, {})
+    cells = {"mmlu/kvcmas": {"path": "mmlu/kvcmas", "status": "done", "n": 5}}
+    (tmp_path / "suite.json").write_text(json.dumps({"command": "ablate", "settings": settings, "cells": cells}))
+    with pytest.raises(BenchError, match="is not a suite manifest"):
+        suite_job.resume_manifest(tmp_path, "suite", settings, ("model", "seed"))
+    _, states = suite_job.resume_manifest(tmp_path, "ablate", settings, ("model", "seed"))
+    assert states == cells
+    with pytest.raises(BenchError, match=r"holds an ablation with a different seed \(0 vs 1\)"):
+        suite_job.resume_manifest(tmp_path, "ablate", {**settings, "seed": 1}, ("model", "seed"))
+    _, states = suite_job.resume_manifest(tmp_path, "ablate", {**settings, "limit": 8}, ("model", "seed"))
+    assert states == {"mmlu/kvcmas": {"path": "mmlu/kvcmas", "status": "pending", "n": 5}}

@@ -30,12 +30,13 @@ import pandas as pd
 from ..errors import BenchError
 from ..methods import METHODS, expand_methods, resolve_method, resolve_methods
 from ..ops.gate import GATES
-from ..results.frames import read_json, read_jsonl
+from ..results.frames import read_jsonl
 from ..results.outdir import atomic_write, lock_output_dir
 from ..results.records import write_json
 from ..workloads import get_workload
 from .run import RunOptions, select_samples
 from .run import run as run_job
+from .suite import resume_manifest
 
 KINDS = ("rank", "anchors", "tau", "agents", "rounds")
 DEFAULT_VALUES = {
@@ -301,21 +302,8 @@ def _run_options(opts: AblateOptions, p: Point, out_dir: Path) -> RunOptions:
 
 def open_manifest(out_dir: Path, opts: AblateOptions, points: list[Point]) -> dict:
     """The manifest of ``out_dir``, new or resumed (refused when its settings differ)."""
-    path = out_dir / "suite.json"
     settings = opts.settings()
-    old = read_json(path) if path.exists() else None
-    if old is not None and old.get("command") != "ablate":
-        raise BenchError(f"{path} is not an ablation manifest; use another --output-path")
-    prev = (old or {}).get("settings", {})
-    for k in STRICT_KEYS if old is not None else ():
-        if prev.get(k) != settings[k]:
-            raise BenchError(
-                f"{out_dir} holds an ablation with a different {k} ({prev.get(k)!r} vs {settings[k]!r}); "
-                "use another --output-path"
-            )
-    cells = dict((old or {}).get("cells", {}))
-    if old is not None and prev.get("limit") != settings["limit"]:
-        cells = {k: {**v, "status": "pending"} for k, v in cells.items()}
+    _, cells = resume_manifest(out_dir, "ablate", settings, STRICT_KEYS)
     for p in points:
         cells.setdefault(p.cell, {"path": p.cell, "status": "pending"})
         cells[p.cell].update(workload=p.workload, method=p.method, params=p.params, agents=p.agents, rounds=p.rounds)

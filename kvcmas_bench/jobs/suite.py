@@ -141,30 +141,42 @@ def plan_suite(opts: SuiteOptions) -> list[Cell]:
     return cells
 
 
-def open_manifest(out_dir: Path, opts: SuiteOptions, cells: list[Cell]) -> dict:
-    """The manifest of ``out_dir``, new or resumed (refused when its settings differ)."""
+def resume_manifest(out_dir: Path, command: str, settings: dict, strict_keys: tuple) -> tuple[dict, dict]:
+    """The previous manifest of a matrix job in ``out_dir`` (``{}`` when new) and its cell states.
+
+    Refused (one line) when the directory holds another command's manifest or one whose
+    ``strict_keys`` settings differ; a changed ``--limit`` sends every cell back to pending."""
     path = out_dir / "suite.json"
-    settings = opts.settings()
     old = read_json(path) if path.exists() else None
-    if old is not None and old.get("command") != "suite":
-        raise BenchError(f"{path} is not a suite manifest; use another --output-path")
-    prev = (old or {}).get("settings", {})
-    for k in STRICT_KEYS if old is not None else ():
+    if old is None:
+        return {}, {}
+    label = "an ablation" if command == "ablate" else f"a {command}"
+    if old.get("command") != command:
+        raise BenchError(f"{path} is not {label} manifest; use another --output-path")
+    prev = old.get("settings", {})
+    for k in strict_keys:
         if prev.get(k) != settings[k]:
             raise BenchError(
-                f"{out_dir} holds a suite with a different {k} ({prev.get(k)!r} vs {settings[k]!r}); "
+                f"{out_dir} holds {label} with a different {k} ({prev.get(k)!r} vs {settings[k]!r}); "
                 "use another --output-path"
             )
-    states = dict((old or {}).get("cells", {}))
-    if old is not None and prev.get("limit") != settings["limit"]:
+    states = dict(old.get("cells", {}))
+    if prev.get("limit") != settings["limit"]:
         states = {k: {**v, "status": "pending"} for k, v in states.items()}
+    return old, states
+
+
+def open_manifest(out_dir: Path, opts: SuiteOptions, cells: list[Cell]) -> dict:
+    """The manifest of ``out_dir``, new or resumed (refused when its settings differ)."""
+    settings = opts.settings()
+    old, states = resume_manifest(out_dir, "suite", settings, STRICT_KEYS)
     for c in cells:
         states.setdefault(c.name, {"workload": c.workload, "method": c.method, "path": c.name, "status": "pending"})
     return {
         "command": "suite",
         "settings": settings,
-        "methods": list(dict.fromkeys([*(old or {}).get("methods", []), *(c.method for c in cells)])),
-        "workloads": list(dict.fromkeys([*(old or {}).get("workloads", []), *(c.workload for c in cells)])),
+        "methods": list(dict.fromkeys([*old.get("methods", []), *(c.method for c in cells)])),
+        "workloads": list(dict.fromkeys([*old.get("workloads", []), *(c.workload for c in cells)])),
         "cells": states,
     }
 
