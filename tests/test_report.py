@@ -233,3 +233,25 @@ def test_console_tables_fit_80_columns(matrix, tmp_path):
         assert needle in text
     # the saturated sweep points are flagged, with the QPS NonShared sustains
     assert "17.00!" in text and "saturated" in text and "NonShared sustains < 0.471 QPS" in text
+
+
+def test_accounting_shows_a_counter_that_repeats_a_status_count_once():
+    from types import SimpleNamespace
+
+    from kvcmas_bench.jobs.report import accounting_section
+
+    graphflow = {"corrected": 100, "segments": {"corrected": 100, "exact": 3}}
+    kvcmas = {"accepted": 59, "corrected": 2, "segments": {"corrected": 59, "exact": 41}}  # 2 != 59: kept
+    runs = [
+        SimpleNamespace(run_id="mmlu/graphflow", summary={"accounting": graphflow}),
+        SimpleNamespace(run_id="mmlu/kvcmas", summary={"accounting": kvcmas}),
+    ]
+    sec = accounting_section(SimpleNamespace(runs=runs))
+    assert sec.rows[0] == {"run": "mmlu/graphflow", "segments corrected": 100, "segments exact": 3}
+    assert sec.rows[1] == {
+        "run": "mmlu/kvcmas",
+        "accepted": 59,
+        "corrected": 2,
+        "segments corrected": 59,
+        "segments exact": 41,
+    }

@@ -133,8 +133,13 @@ def accounting_section(results: Results) -> Section | None:
     for r in results.runs:
         acc = r.summary.get("accounting")
         if isinstance(acc, dict):
-            flat = {k: v for k, v in acc.items() if isinstance(v, (int, float))}
-            flat.update({f"segments {k}": v for k, v in (acc.get("segments") or {}).items()})
+            segments = acc.get("segments") or {}
+            # a method's own counter named like a segment status (GraphFlow's corrected/uncalibrated)
+            # repeats that status count: shown once, as the status count
+            flat = {
+                k: v for k, v in acc.items() if isinstance(v, (int, float)) and not (k in segments and segments[k] == v)
+            }
+            flat.update({f"segments {k}": v for k, v in segments.items()})
             rows.append({"run": r.run_id, **flat})
     if not rows:
         return None
