@@ -22,7 +22,7 @@ loading a model, a partial one resumes at its first unfinished sample; other set
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -35,8 +35,7 @@ from ..results.outdir import atomic_write, lock_output_dir
 from ..results.records import write_json
 from ..workloads import get_workload
 from .run import RunOptions, select_samples
-from .run import run as run_job
-from .suite import resume_manifest
+from .suite import is_done, resume_manifest, run_cell
 
 KINDS = ("rank", "anchors", "tau", "agents", "rounds")
 DEFAULT_VALUES = {
@@ -327,12 +326,12 @@ def _run_points(opts: AblateOptions, points: list[Point], out_dir: Path, progres
     write_json(out_dir / "suite.json", manifest)
     cells = [_Cell(p.cell, p.n) for p in points]
     res = AblateResult(out_dir, points, pd.DataFrame())
-    res.skipped = [p.cell for p in points if _done(manifest["cells"][p.cell], p)]
+    res.skipped = [p.cell for p in points if is_done(manifest["cells"][p.cell], p.n)]
     if progress is not None:
         progress.begin(cells, set(res.skipped))
     for p, c in zip(points, cells):
         if p.cell not in res.skipped:
-            _run_point(p, c, opts, manifest, out_dir, res, progress)
+            run_cell(p.cell, _run_options(opts, p, out_dir), manifest, out_dir, res.failed, progress, c)
     if len(res.failed) < len(points):
         res.table = ablation_table(out_dir, [p for p in points if p.cell not in res.failed] + earlier(manifest, points))
     return res
@@ -355,29 +354,6 @@ def earlier(manifest: dict, points: list[Point]) -> list[Point]:
 class _Cell:
     name: str
     n: int
-
-
-def _done(state: dict, p: Point) -> bool:
-    return state.get("status") == "done" and state.get("n") == p.n
-
-
-def _run_point(p: Point, cell: _Cell, opts, manifest: dict, out_dir: Path, res: AblateResult, progress) -> None:
-    state = manifest["cells"][p.cell]
-    ro = _run_options(opts, p, out_dir)
-    state.update(status="running", error=None, run_options=json.loads(json.dumps(asdict(ro), default=str)))
-    write_json(out_dir / "suite.json", manifest)
-    try:
-        summary = run_job(ro, progress=progress.cell(cell) if progress is not None else None)
-    except BenchError as exc:
-        state.update(status="failed", error=str(exc))
-        res.failed[p.cell] = str(exc)
-        if progress is not None:
-            progress.end_cell(cell, "failed", str(exc))
-    else:
-        state.update(status="done", n=summary.get("n"), accuracy=summary.get("accuracy"))
-        if progress is not None:
-            progress.end_cell(cell, "done", summary)
-    write_json(out_dir / "suite.json", manifest)
 
 
 def ablation_table(out_dir: Path, points: list[Point]) -> pd.DataFrame:

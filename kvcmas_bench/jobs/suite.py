@@ -181,8 +181,9 @@ def open_manifest(out_dir: Path, opts: SuiteOptions, cells: list[Cell]) -> dict:
     }
 
 
-def is_done(state: dict, cell: Cell) -> bool:
-    return state.get("status") == "done" and state.get("n") == cell.n
+def is_done(state: dict, n: int) -> bool:
+    """A cell finished earlier over the same ``n`` samples (a changed --limit reruns it)."""
+    return state.get("status") == "done" and state.get("n") == n
 
 
 def run_suite(opts: SuiteOptions, progress=None) -> SuiteResult:
@@ -201,26 +202,28 @@ def run_suite(opts: SuiteOptions, progress=None) -> SuiteResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = open_manifest(out_dir, opts, cells)
     write_json(out_dir / "suite.json", manifest)
-    res = SuiteResult(out_dir, cells, skipped=[c.name for c in cells if is_done(manifest["cells"][c.name], c)])
+    res = SuiteResult(out_dir, cells, skipped=[c.name for c in cells if is_done(manifest["cells"][c.name], c.n)])
     if progress is not None:
         progress.begin(cells, set(res.skipped))
     for cell in cells:
         if cell.name not in res.skipped:
-            _run_cell(cell, opts, manifest, out_dir, res, progress)
+            run_cell(cell.name, run_options(opts, cell), manifest, out_dir, res.failed, progress, cell)
     if len(res.failed) < len(cells):
         res.report = build_report([out_dir], out_dir / "report", opts.report_formats, opts.plots)
     return res
 
 
-def _run_cell(cell: Cell, opts: SuiteOptions, manifest: dict, out_dir: Path, res: SuiteResult, progress) -> None:
-    state = manifest["cells"][cell.name]
-    state.update(status="running", error=None, run_options=_jsonable(run_options(opts, cell)))
+def run_cell(name: str, ro: RunOptions, manifest: dict, out_dir: Path, failed: dict, progress, cell) -> None:
+    """Run one matrix cell (suite or ablation) through ``run``; its state in the manifest goes
+    running -> done or failed and is saved before and after. ``cell`` is what ``progress`` shows."""
+    state = manifest["cells"][name]
+    state.update(status="running", error=None, run_options=json.loads(json.dumps(asdict(ro), default=str)))
     write_json(out_dir / "suite.json", manifest)
     try:
-        summary = run_job(run_options(opts, cell), progress=progress.cell(cell) if progress is not None else None)
+        summary = run_job(ro, progress=progress.cell(cell) if progress is not None else None)
     except BenchError as exc:
         state.update(status="failed", error=str(exc))
-        res.failed[cell.name] = str(exc)
+        failed[name] = str(exc)
         if progress is not None:
             progress.end_cell(cell, "failed", str(exc))
     else:
@@ -228,7 +231,3 @@ def _run_cell(cell: Cell, opts: SuiteOptions, manifest: dict, out_dir: Path, res
         if progress is not None:
             progress.end_cell(cell, "done", summary)
     write_json(out_dir / "suite.json", manifest)
-
-
-def _jsonable(ro: RunOptions) -> dict:
-    return json.loads(json.dumps(asdict(ro), default=str))
