@@ -239,15 +239,17 @@ def test_second_run_into_a_busy_directory_is_refused(tiny_model_dir, tmp_path, c
     assert run_cli(args) == 0  # free again once the first process is gone
 
 
-@pytest.mark.parametrize("command", ["serve-sweep", "coverage"])
-def test_sweep_and_coverage_directories_are_locked_too(tmp_path, command, no_model, capsys):
+@pytest.mark.parametrize(
+    "command", [["serve-sweep"], ["coverage"], ["suite", "--methods", "fullshared"], ["ablate", "tau"]], ids=" ".join
+)
+def test_sweep_coverage_suite_and_ablate_directories_are_locked_too(tmp_path, command, no_model, capsys):
     out = tmp_path / "out"
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(out)], env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        assert run_cli([command, "-o", str(out)]) == 2
+        assert run_cli([*command, "-o", str(out)]) == 2
         one_error_line(capsys, f"in use by another kvcmas-bench process (pid {holder.pid})")
     finally:
         holder.communicate("")

@@ -32,6 +32,7 @@ from pathlib import Path
 from ..errors import BenchError
 from ..methods import METHODS, expand_methods, resolve_methods
 from ..results.frames import read_json
+from ..results.outdir import lock_output_dir
 from ..results.records import write_json
 from ..workloads import get_workload
 from .run import RunOptions, select_samples
@@ -192,14 +193,17 @@ def run_suite(opts: SuiteOptions, progress=None) -> SuiteResult:
     ``progress``: optional object with ``begin(cells, done)``, ``cell(cell) -> run progress``
     (``start``/``advance`` as for ``run``) and ``end_cell(cell, status, detail)``.
     """
-    from .report import build_report, parse_formats
+    from .report import parse_formats
 
     parse_formats(opts.report_formats)
     cells = plan_suite(opts)
-    out_dir = Path(opts.output_path)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise BenchError(f"--output-path {out_dir} exists and is not a directory")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with lock_output_dir(opts.output_path) as out_dir:  # one suite per directory at a time
+        return _run_cells(opts, cells, out_dir, progress)
+
+
+def _run_cells(opts: SuiteOptions, cells: list[Cell], out_dir: Path, progress) -> SuiteResult:
+    from .report import build_report
+
     manifest = open_manifest(out_dir, opts, cells)
     write_json(out_dir / "suite.json", manifest)
     res = SuiteResult(out_dir, cells, skipped=[c.name for c in cells if is_done(manifest["cells"][c.name], c.n)])
