@@ -36,7 +36,7 @@ from common import prefix, shared_ids
 
 from kvcmas_bench.engine import Engine, Request, Segment, SegmentContext
 from kvcmas_bench.methods import get_method
-from kvcmas_bench.methods.anchors import Anchor, AnchorPool, Factor
+from kvcmas_bench.methods.anchors import Anchor, AnchorPool, Entry, Factor
 from kvcmas_bench.modeling import load_model
 from kvcmas_bench.ops.kvmath import relative_error
 from kvcmas_bench.ops.lowrank import shift_to_rows, to_rows, truncated_svd, truncated_svd_gram
@@ -53,17 +53,11 @@ def dense_segment(engine: Engine, pre: list[int], seg: list[int]):
 def fill_pool(method, slot: str, consumer: str, base_k, base_v, dk, dv, n: int, rank: int | None, dtype=None):
     """``n`` anchors: the real observation plus perturbed copies (distinct gate distances)."""
     pool = AnchorPool(method.anchors)
-    first = pool.add(("real",), base_k, base_v, consumer, dk, dv, rank, dtype)
+    first = pool.add("real", ("real",), base_k, base_v, consumer, dk, dv, rank, dtype).entries[consumer]
     for i in range(1, n):
-        pool.anchors.append(
-            Anchor(
-                scaled(first.base_k, 1.0 + 0.01 * i),
-                scaled(first.base_v, 1.0 + 0.01 * i),
-                ("copy", i),
-                i,
-                {consumer: first.deltas[consumer]},
-            )
-        )
+        s = 1.0 + 0.01 * i
+        entry = Entry(scaled(first.base_k, s), scaled(first.base_v, s), first.delta_k, first.delta_v, ("copy", i))
+        pool.anchors.append(Anchor(f"copy-{i}", i, {consumer: entry}))
     method.pools[slot] = pool
     return pool
 
@@ -111,8 +105,8 @@ def memory_table(engine, seg_all, pre_a, pre_b, lengths):
         base_k, base_v = shift_to_rows(kv_a.k, -kv_a.start, inv), to_rows(kv_a.v).float()
         dk = shift_to_rows(kv_b.k, -kv_b.start, inv) - base_k
         dv = to_rows(kv_b.v).float() - base_v
-        low = AnchorPool(10).add(("x",), base_k, base_v, "B", dk, dv, 32).nbytes
-        full = AnchorPool(20).add(("x",), base_k, base_v, "B", dk, dv, None).nbytes
+        low = AnchorPool(10).add("x", ("x",), base_k, base_v, "B", dk, dv, 32).nbytes
+        full = AnchorPool(20).add("x", ("x",), base_k, base_v, "B", dk, dv, None).nbytes
         print(
             f"{n:>7} {low / 2**20:>10.1f} MiB {full / 2**20:>10.1f} MiB {10 * low / 2**20:>8.1f} MiB "
             f"{20 * full / 2**20:>8.1f} MiB {20 * full / (10 * low):>6.1f}x"
@@ -151,7 +145,7 @@ def construction(engine, args, last, d):
     ref_k, ref_v = base_k.clone(), base_v.clone()
 
     def build():
-        m.insert(AnchorPool(10), ("x",), ref_k, ref_v, "B", kv_b, engine.inv_freq)
+        m.insert(AnchorPool(10), "x", ("x",), ref_k, ref_v, "B", kv_b, engine.inv_freq)
 
     build()
     c = timed(engine, build, args.repeats)

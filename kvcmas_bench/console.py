@@ -116,12 +116,19 @@ def print_run_summary(summary: dict, console: Console) -> None:
         f = summary["fidelity"]
         console.print(
             f"fidelity: top-1 agreement {fmt(f.get('top1_agree'))}, first-token KL "
-            f"{fmt(f.get('first_token_kl'))}, relative KV error {fmt(f.get('kv_rel_error'))} "
+            f"{fmt(f.get('first_token_kl'))}, relative KV error vs full dense prefill {fmt(f.get('kv_rel_error'))} "
             f"(all {f.get('segments', '?')} shared segments)"
         )
         per = [fmt(a.get("kv_rel_error")) for a in f.get("per_agent", [])]
         if per:
             console.print(f"  KV error per agent, in execution order: {' / '.join(per)}")
+    pool = (summary.get("method_state") or {}).get("total")
+    if pool and pool.get("anchors"):
+        console.print(
+            f"anchor pools: {pool['anchors']} anchors, {pool['entries']} entries; "
+            f"{pool['bytes_per_anchor'] / 2**20:.2f} MiB per anchor, "
+            f"{pool['bytes_per_entry'] / 2**20:.2f} MiB per entry"
+        )
 
 
 ACCOUNTING_LABELS = (
@@ -131,6 +138,7 @@ ACCOUNTING_LABELS = (
     ("corrected", "corrected"),
     ("uncalibrated", "uncalibrated"),
     ("anchors_inserted", "anchors +"),
+    ("entries_inserted", "entries +"),
     ("anchors_evicted", "anchors -"),
 )
 

@@ -9,7 +9,6 @@ decode, so every method is executed and measured by the same code. Methods decid
 
 from __future__ import annotations
 
-import resource
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .memory import peak_rss
 from .modeling import check_supported
 from .ops.kvmath import rotate_half, shift_keys
 from .results.request import SegmentRecord
@@ -51,6 +51,8 @@ class Segment:
     #: input embeddings ``[S, hidden]`` fed instead of the token embeddings (visual tokens); ``ids``
     #: then holds placeholder ids of the same length, for bookkeeping and identity
     embeds: torch.Tensor | None = None
+    #: identity of the content when ``ids`` do not carry it (visual segments: the image or video key)
+    content_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.embeds is not None and self.embeds.shape[0] != len(self.ids):
@@ -183,6 +185,8 @@ class _PrefillState:
     records: list[SegmentRecord] = field(default_factory=list)
     materialized: dict[str, SegmentKV] = field(default_factory=dict)
     deferred: list[Callable[[], None]] = field(default_factory=list)
+    #: with fidelity: the full dense prefill of the prompt (:class:`~kvcmas_bench.fidelity.DenseReference`)
+    reference_kv: object = None
 
 
 class SegmentContext:
@@ -299,11 +303,12 @@ class SegmentContext:
 
     def exact_layer0(self, kv: SegmentKV, reference: SegmentKV | None = None) -> SegmentKV:
         """``kv`` with layer 0 recomputed exactly (layer-0 K/V depend only on tokens and positions):
-        here a forward of the segment's tokens through layer 0 over the request cache (not counted
-        as recomputation). ``reference`` (any cache of the same tokens) is for engines without a
-        partial forward, which take layer 0 from it re-aligned."""
+        here a forward of the segment's tokens through layer 0 over the request cache, counted as
+        recomputation (S token-layers: not served by reuse, so outside rho's numerator).
+        ``reference`` (any cache of the same tokens) is for engines without a partial forward, which
+        take layer 0 from it re-aligned (counted alike, so rho means the same on both engines)."""
         self.write(kv)
-        self.forward(self.embed(), range(self.length), [0], count=False)
+        self.forward(self.embed(), range(self.length), [0])
         return self.current(kv.status)
 
 
@@ -352,7 +357,7 @@ class Engine:
 
     @staticmethod
     def peak_rss() -> int:
-        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        return peak_rss()
 
     # ---- model execution ---------------------------------------------------------------------
     def new_cache(self, capacity: int) -> KVCache:
@@ -477,6 +482,10 @@ class Engine:
         prompt_len = sum(len(s.ids) for s in segs)
         cache = self.new_cache(prompt_len + request.max_new_tokens + 1)
         st = _PrefillState()
+        if fidelity:  # the full dense prefill every segment and the first token are compared with
+            from .fidelity import dense_reference
+
+            st.reference_kv = dense_reference(self, request.prompt_ids, self.prompt_embeds(request))
         t0 = self.now()
         h = self._prefill(request, method, sources or {}, cache, st, fidelity)
         logits = self.logits(h[:, -1:])[0, -1]
@@ -492,7 +501,7 @@ class Engine:
         if fidelity:
             from .fidelity import request_fidelity
 
-            fid = request_fidelity(self, request.prompt_ids, logits, self.prompt_embeds(request))
+            fid = request_fidelity(st.reference_kv.logits, logits)
         return RequestResult(
             agent=request.agent,
             output_ids=out,
@@ -545,7 +554,9 @@ class Engine:
         st: _PrefillState,
         fidelity: bool,
     ) -> SegmentRecord:
-        """One PH segment: the method decides, the engine writes, counts and (optionally) compares."""
+        """One PH segment: the method decides, the engine writes, counts and (optionally) compares:
+        with the full dense prefill's rows (``kv_rel_error``, ...) and with a dense prefill of the
+        segment over the cache as built so far (``local_kv_rel_error``)."""
         S = len(seg.ids)
         exact = None
         if fidelity:
@@ -587,10 +598,11 @@ class Engine:
             details=dict(ctx.details),
         )
         if exact is not None:
-            from .fidelity import segment_errors
+            from .fidelity import kv_error, segment_errors
 
-            for k, v in segment_errors(kv, exact).items():
+            for k, v in segment_errors(kv, *st.reference_kv.rows(pos, S)).items():
                 setattr(rec, k, v)
+            rec.local_kv_rel_error = kv_error(kv.k, kv.v, exact.k, exact.v)
         return rec
 
     def _decode(

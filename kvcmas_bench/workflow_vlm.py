@@ -25,7 +25,9 @@ from .workloads.base import Sample
 
 def visual_segment(visual: VisualInput, source: str | None = None) -> Segment:
     """The PH segment of a sample's visual tokens (slot = "image" or "video")."""
-    return Segment("PH", list(visual.ids), slot=visual.kind, source=source, embeds=visual.embeds)
+    return Segment(
+        "PH", list(visual.ids), slot=visual.kind, source=source, embeds=visual.embeds, content_key=visual.key
+    )
 
 
 # ---- rendering ---------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ class VLMWorkflow(Workflow):
             shared_ids,
             {slot: kv.agent for slot, kv in sources.items()},
         )
-        return [replace(s, embeds=visual.embeds) if s.kind == "PH" and s.slot == visual.kind else s for s in segs]
+        return [replace(s, embeds=visual.embeds, content_key=visual.key) if s.kind == "PH" and s.slot == visual.kind else s for s in segs]
 
     def run_sample(self, sample: Sample) -> UnitRun:
         visual = self.visual_input(sample)

@@ -66,8 +66,8 @@ def reference_correction(
     ref_v = to_rows(src.v)
     out_k, out_v = ref_k.clone(), ref_v.clone()
     for part, rows, out in (("k", ref_k, out_k), ("v", ref_v, out_v)):
-        bases = [a.base_k if part == "k" else a.base_v for a in anchors]
-        deltas = [a.deltas[consumer][0 if part == "k" else 1] for a in anchors]
+        bases = [a.factor("base_k" if part == "k" else "base_v", consumer) for a in anchors]
+        deltas = [a.factor("delta_k" if part == "k" else "delta_v", consumer) for a in anchors]
         w = torch.softmax(-_distance(rows[:, :k], bases).float() / temperature, dim=0)
         if all(d.b is not None for d in deltas):
             corr = weighted_lowrank(w, *stack_factors(deltas, k))

@@ -126,8 +126,9 @@ def test_analyze_chain_end_to_end(tiny_model_dir, tmp_path):
     assert set(agents["method"]) == {"kvcmas", "kvcmas-nonchained"} and sorted(set(agents["step"])) == [0, 1, 2, 3]
     ch = agents[agents["method"] == "kvcmas"].set_index("step")
     nc = agents[agents["method"] == "kvcmas-nonchained"].set_index("step")
-    # chained: the first agent prefills densely, its cache is exact; non-chained corrects it too
-    assert ch.loc[0, "kv_rel_error"] == 0 and ch.loc[0, "corrected"] == 0
+    # chained: the first agent prefills densely, its cache equals the full dense prefill's up to
+    # float rounding (segment-by-segment vs one forward); non-chained corrects it too
+    assert ch.loc[0, "kv_rel_error"] < 1e-6 and ch.loc[0, "corrected"] == 0
     assert nc.loc[0, "corrected"] > 0 and nc.loc[0, "kv_rel_error"] > 0
     assert sorted(set(layers["layer"])) == [0, 1]
     # both runs are ordinary run directories over the same samples

@@ -68,7 +68,7 @@ def _fake_pool(cap, n, rank=None, L=2, S=8, D=6):
     pool = AnchorPool(cap)
     for i in range(n):
         z = torch.full((L, S, D), float(i))
-        pool.add(("src", i), z, z, "B", z * 0.1, z * 0.1, rank)
+        pool.add(f"src{i}", ("src", i), z, z, "B", z * 0.1, z * 0.1, rank)
     return pool
 
 
@@ -81,7 +81,7 @@ def test_gate_needs_two_compatible_anchors():
     m.tau = 0.0
     # both anchors at the same distance: flat -> rejected even with two anchors
     pool = _fake_pool(10, 2)
-    pool.anchors[1].base_v = pool.anchors[0].base_v
+    pool.anchors[1].entries["B"].base_v = pool.anchors[0].entries["B"].base_v
     assert m.gate(pool, "B", torch.zeros(2, 8, 6), 8) is None
 
 
@@ -90,8 +90,8 @@ def test_eviction_is_lfu_among_five_oldest():
     for i, a in enumerate(pool.anchors):
         a.count = [3, 1, 2, 5, 4, 0][i]  # the newest has count 0 but is not among the 5 oldest
     z = torch.zeros(2, 8, 6)
-    pool.add(("src", 99), z, z, "B", z, z, None)
-    assert [a.source_key[1] for a in pool.anchors] == [0, 2, 3, 4, 5, 99]
+    pool.add("src99", ("src", 99), z, z, "B", z, z, None)
+    assert [a.entries["B"].source_key[1] for a in pool.anchors] == [0, 2, 3, 4, 5, 99]
     assert pool.evicted == 1
 
 
@@ -99,8 +99,9 @@ def test_anchor_bytes_follow_the_memory_formulas():
     V, L, S, D, r = 4, 3, 40, 24, 5
     low = _fake_pool(V, V, rank=r, L=L, S=S, D=D)
     full = _fake_pool(V, V, rank=None, L=L, S=S, D=D)
-    # each anchor: base K and V + one consumer's delta K and V; float32
-    assert low.nbytes == V * 4 * L * r * (S + D) * 4
+    # each anchor: base K and V + one consumer's delta K and V; float32; low-rank matrices also keep
+    # their row norms (S floats each)
+    assert low.nbytes == V * 4 * L * r * (S + D) * 4 + V * 4 * S * 4
     assert full.nbytes == V * 4 * L * S * D * 4
     assert low.nbytes < full.nbytes
 
@@ -151,7 +152,8 @@ def test_nonfinite_correction_falls_back_to_dense(engine):
     m = get_method("kvcmas", anchors=1, rank=64)
     a = engine.run(ra, m)
     engine.run(rb, m, sources={"q": a.materialized["q"]})
-    dk, dv = m.pools["q"].anchors[0].deltas["B"]
+    e = m.pools["q"].anchors[0].entries["B"]
+    dk, dv = e.delta_k, e.delta_v
     dk.a[0, 0, 0] = float("nan")
     res = engine.run(rb, m, sources={"q": a.materialized["q"]}, fidelity=True)
     assert res.segments[1].status == "exact" and m.stats["nonfinite_fallback"] == 1
@@ -169,7 +171,7 @@ def test_nonchained_methods_correct_the_first_agent_from_a_reference(engine, nam
     assert again.segments[1].status == "corrected"
     assert again.segments[1].kv_rel_error < 1e-5
     if name == "kvcomm":
-        assert m.pools["q"].anchors[0].base_k.b is None  # full-dimensional storage
+        assert all(e.base_k.b is None for e in m.pools["q"].anchors[0].entries.values())  # full-dimensional
 
 
 def test_graphflow_calibrates_every_relation_first_agent_included(engine):
@@ -235,11 +237,11 @@ def test_anchors_of_different_ranks_are_gated_and_applied_together(engine):
     torch.manual_seed(4)
     for i, S in enumerate((5, 12, 20)):  # ranks 5, 8, 8
         z = torch.randn(2, S, 16)
-        pool.add(("src", i), z, z, "B", z * 0.1, z * 0.1, 8)
+        pool.add(f"src{i}", ("src", i), z, z, "B", z * 0.1, z * 0.1, 8)
     m.pools["q"] = pool
-    assert [a.base_v.a.shape[-1] for a in pool.anchors] == [5, 8, 8]
+    assert [a.entries["B"].base_v.a.shape[-1] for a in pool.anchors] == [5, 8, 8]
     x = torch.randn(2, 5, 16)
     dec = m.gate(pool, "B", x, 5)
     assert dec is not None and dec.k == 5 and len(dec.anchors) == 3
-    ref = torch.stack([(x - a.base_v.rows(5)).square().sum(dim=(0, 2)) for a in pool.anchors])
+    ref = torch.stack([(x - a.entries["B"].base_v.rows(5)).square().sum(dim=(0, 2)) for a in pool.anchors])
     assert torch.allclose(dec.sqdist_v, ref, rtol=1e-4, atol=1e-3)

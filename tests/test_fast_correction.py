@@ -39,7 +39,7 @@ def test_optimized_correction_equals_the_slow_reference(engine, dtype, short, ra
     for i, scale in enumerate((0.05, 0.3, 0.8)):
         base = canon[:, :, :n] + scale * torch.randn(canon[:, :, :n].shape, generator=g)
         dk, dv = torch.randn(base[0].shape, generator=g), torch.randn(base[0].shape, generator=g)
-        pool.add(("src", i), base[0], base[1], "B", dk, dv, rank, getattr(torch, dtype))
+        pool.add(f"src{i}", ("src", i), base[0], base[1], "B", dk, dv, rank, getattr(torch, dtype))
     m.pools["q"] = pool
     got = engine.run(rb, m, sources={"q": src}).materialized["q"]
     assert got.status == "corrected"
@@ -57,11 +57,12 @@ def test_stacked_b_factors_follow_anchor_order_and_are_not_kept_in_the_state():
     pool = AnchorPool(capacity=4)
     for i, S in enumerate((3, 9, 16)):  # a 3-token segment has rank 3, the others rank 6
         z = torch.randn(2, S, 12, generator=g)
-        pool.add(("src", i), z, z, "B", 0.1 * z, 0.2 * z, rank=6)
+        pool.add(f"src{i}", ("src", i), z, z, "B", 0.1 * z, 0.2 * z, rank=6)
     pool.add(
+        "src1",
         ("src", 1),
-        pool.anchors[1].base_k.rows(99),
-        pool.anchors[1].base_v.rows(99),
+        pool.anchors[1].entries["B"].base_k.rows(99),
+        pool.anchors[1].entries["B"].base_v.rows(99),
         "C",
         0.3 * z[:, :9],
         z[:, :9],
@@ -70,13 +71,14 @@ def test_stacked_b_factors_follow_anchor_order_and_are_not_kept_in_the_state():
     mine = [pool.anchors[2], pool.anchors[0]]
     got = stack_b(mine, "B", "delta_v")
     assert got.shape == (2, 6 + 3, 12)
-    assert torch.equal(got[:, :6], pool.anchors[2].deltas["B"][1].b)
-    assert torch.equal(got[:, 6:], pool.anchors[0].deltas["B"][1].b)
-    assert torch.equal(stack_b([pool.anchors[1]], "C", "base_k"), pool.anchors[1].base_k.b)
+    assert torch.equal(got[:, :6], pool.anchors[2].entries["B"].delta_v.b)
+    assert torch.equal(got[:, 6:], pool.anchors[0].entries["B"].delta_v.b)
+    assert torch.equal(stack_b([pool.anchors[1]], "C", "base_k"), pool.anchors[1].entries["B"].base_k.b)
 
-    # the state is the anchors' factors, nothing more: A [L, S, r] and B [L, r, D] per stored matrix
+    # the state is the anchors' factors, nothing more: A [L, S, r], B [L, r, D] and the row norms [S]
+    # per stored matrix; consumer C read the same source as B, so it shares B's base factors
     def fbytes(S, r):
-        return 2 * (S * r + r * 12) * 4
+        return 2 * (S * r + r * 12) * 4 + S * 4
 
     by_hand = 4 * fbytes(3, 3) + 4 * fbytes(9, 6) + 4 * fbytes(16, 6) + 2 * fbytes(9, 6)
     assert pool.nbytes == by_hand
@@ -117,7 +119,7 @@ def test_correction_never_writes_into_the_source_cache(engine):
     m = get_method("kvcmas", anchors=1, rank=None)
     canon = torch.stack([to_rows(shift_keys(src.k, -src.start, engine.inv_freq)), to_rows(src.v)])
     m.pools["q"] = AnchorPool(1)
-    m.pools["q"].add(("s",), canon[0], canon[1], "B", torch.ones_like(canon[0]), torch.ones_like(canon[1]), None)
+    m.pools["q"].add("s", ("s",), canon[0], canon[1], "B", torch.ones_like(canon[0]), torch.ones_like(canon[1]), None)
     got = engine.run(rb, m, sources={"q": src}).materialized["q"]
     assert got.status == "corrected"
     assert torch.equal(src.k, before_k) and torch.equal(src.v, before_v)

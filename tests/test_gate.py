@@ -29,7 +29,7 @@ def _two_anchor_pool(eps: float, scale: float, L: int = 3, S: int = 16, D: int =
     pool = AnchorPool(10)
     for i, f in enumerate((1.0, 1.0 + eps)):
         base = ref + scale * f * u
-        pool.add(("src", i), base, base, "B", 0.1 * base, 0.1 * base, None)
+        pool.add(f"src{i}", ("src", i), base, base, "B", 0.1 * base, 0.1 * base, None)
     return pool, ref
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ..calibration import auto_tau, collect
 from ..engine import UIDS, Engine
 from ..errors import BenchError
+from ..memory import reset_peaks
 from ..methods import MethodSpec, resolve_method
 from ..results.outdir import lock_output_dir
 from ..results.provenance import provenance
@@ -99,6 +100,7 @@ class Prepared:
     engine: Engine
     method: object = None
     chosen_tau: float | None = None
+    rss_reset: bool = False
 
     def flow(self, method, opts: RunOptions, fidelity: bool = False) -> Workflow:
         kw = dict(fidelity=fidelity, topology=opts.topology, agents=opts.agents, rounds=opts.rounds)
@@ -174,6 +176,7 @@ def prepare(opts: RunOptions) -> Prepared:
         lm = load_model(opts.model, opts.dtype, str(device))
     check_context(opts, workload, lm.model)
     p = Prepared(workload, spec, samples, calib, lm, Engine(lm.model, lm.tokenizer))
+    p.rss_reset = reset_peaks(p.engine.device)  # this run's peak, whatever ran before in the process
     p.method = spec()
     if p.method.needs_calibration:
         obs = collect(lambda m: p.flow(m, opts), calib, with_reference=p.method.calibration_reference)
@@ -209,6 +212,8 @@ def run_config(opts: RunOptions, p: Prepared, flow: Workflow) -> dict:
         "prefix_caching": False,
         "decoding": "greedy",
         "engine": "in-process (one request at a time)",
+        "peak_memory": "per run: peak counters reset after the model is loaded, before calibration"
+        + ("" if p.rss_reset or p.engine.device.type == "cuda" else " (RSS high-water mark not resettable here)"),
         **provenance(p.engine.device),
     }
 
@@ -243,7 +248,13 @@ def _run(opts: RunOptions, progress=None) -> dict:
     summary = summarize(
         [s for s in out.samples if s["sample_id"] in wanted],
         [r for r in out.requests if r.sample_id in wanted],
-        {"method": opts.method, "workload": opts.workload, "model": p.lm.name, "device": str(p.engine.device)},
+        {
+            "method": opts.method,
+            "workload": opts.workload,
+            "model": p.lm.name,
+            "device": str(p.engine.device),
+            **({"method_state": p.method.state_layout()} if hasattr(p.method, "state_layout") else {}),
+        },
     )
     write_json(out.summary_path, summary)
     return summary

@@ -1,17 +1,27 @@
 """Online anchor pools shared by KVComm (full-dimensional) and KVCMAS (low-rank).
 
-One pool per shared slot, process-wide. An anchor stores a base cache (keys in canonical, position-0
-coordinates; values as they are) and, per consuming node, the observed correction Delta. Storage is
-either the full ``[layers, S, D]`` matrices or truncated-SVD factors per layer, separately for K and
-V. When the pool is full, the least frequently used anchor among the five oldest is evicted.
+One pool per shared slot, process-wide, of at most V anchors (paper A.3, C.3: "its capacity V is
+applied independently to each slot"). An **anchor** is one observed instance of the slot's content
+(one sample's question, one agent output); it holds one **entry** per consuming workflow node that
+observed that instance through a dense fallback: the node's source representation (keys in
+canonical, position-0 coordinates; values as they are) and its observed correction Delta. In a
+chain every consumer reads a different source (agent 1 reads agent 0's cache, agent 2 agent 1's),
+so entries have their own bases; non-chained methods compare against the context-free reference,
+so all entries of an anchor share one base (stored once). V counts instances, so a consumer sees
+up to V anchors of its own, whatever the number of consumers.
 
-For the correction's GEMMs the small ``B`` factors of the anchors in use are stacked per call
-(:func:`stack_b`); the large ``A`` factors are never copied into a stack (the distance and apply
-kernels read them in place).
+Storage is either the full ``[layers, S, D]`` matrices or truncated-SVD factors per layer,
+separately for K and V. When a new instance arrives in a full pool, the least frequently used
+anchor among the five oldest is evicted, all its entries with it.
+
+For the correction's GEMMs the small ``B`` factors of the entries in use are stacked per call
+(:func:`stack_b`); the large ``A`` factors are never copied into a stack.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +29,13 @@ import torch
 from ..ops.lowrank import row_sqnorms, truncated_svd, truncated_svd_gram
 
 PARTS = ("base_k", "base_v", "delta_k", "delta_v")
+
+
+def instance_key(ids: Sequence[int], content_key: str | None = None) -> str:
+    """Identity of one instance of a slot's content: a digest of its token ids (and of the content
+    key of segments whose ids are placeholders, such as an image's)."""
+    data = (",".join(map(str, ids)) + f"|{content_key or ''}").encode()
+    return f"{len(ids)}:{hashlib.sha1(data).hexdigest()[:16]}"
 
 
 @dataclass(eq=False)
@@ -48,10 +65,12 @@ class Factor:
     def rank(self) -> int:
         return self.a.shape[-1]
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.a, self.b, self.sq) if t is not None]
+
     @property
     def nbytes(self) -> int:
-        n = self.a.numel() * self.a.element_size()
-        return n + (0 if self.b is None else self.b.numel() * self.b.element_size())
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def rows(self, k: int) -> torch.Tensor:
         """Reconstruction of the first ``k`` rows, ``[layers, k, D]``."""
@@ -59,37 +78,62 @@ class Factor:
 
 
 @dataclass(eq=False)
-class Anchor:
+class Entry:
+    """One consumer's part of an anchor: the source it read (``base_k``/``base_v``, shared with the
+    other entries that read the same source) and its observed correction (``delta_k``/``delta_v``)."""
+
     base_k: Factor
     base_v: Factor
+    delta_k: Factor
+    delta_v: Factor
+    #: identity of the source materialization the base was built from
     source_key: tuple
+
+    @property
+    def base_nbytes(self) -> int:
+        return self.base_k.nbytes + self.base_v.nbytes
+
+    @property
+    def delta_nbytes(self) -> int:
+        return self.delta_k.nbytes + self.delta_v.nbytes
+
+
+@dataclass(eq=False)
+class Anchor:
+    """One instance of the slot's content with an entry per consumer node that observed it."""
+
+    instance: str
     created: int
-    deltas: dict[str, tuple[Factor, Factor]] = field(default_factory=dict)
+    entries: dict[str, Entry] = field(default_factory=dict)
     count: int = 0
 
     @property
     def length(self) -> int:
-        return self.base_k.length
+        return next(iter(self.entries.values())).base_k.length
 
     @property
     def nbytes(self) -> int:
-        n = self.base_k.nbytes + self.base_v.nbytes
-        return n + sum(dk.nbytes + dv.nbytes for dk, dv in self.deltas.values())
+        """Bytes of every tensor the anchor holds, a base shared by several entries counted once."""
+        seen: set[int] = set()
+        n = 0
+        for e in self.entries.values():
+            for f in (e.base_k, e.base_v, e.delta_k, e.delta_v):
+                for t in f.tensors():
+                    if t.data_ptr() not in seen:
+                        seen.add(t.data_ptr())
+                        n += t.numel() * t.element_size()
+        return n
 
     def factor(self, part: str, consumer: str) -> Factor:
-        """``base_k``, ``base_v``, or the consumer's ``delta_k`` / ``delta_v``."""
-        if part == "base_k":
-            return self.base_k
-        if part == "base_v":
-            return self.base_v
-        return self.deltas[consumer][0 if part == "delta_k" else 1]
+        """The consumer's ``base_k``, ``base_v``, ``delta_k`` or ``delta_v``."""
+        return getattr(self.entries[consumer], part)
 
 
 def stack_b(anchors: list[Anchor], consumer: str, part: str) -> torch.Tensor:
-    """The low-rank ``B`` factors of ``part`` of ``anchors`` side by side: ``[layers, sum r_v, D]``
-    in the order of ``anchors``.
+    """The low-rank ``B`` factors of the consumer's ``part`` of ``anchors`` side by side:
+    ``[layers, sum r_v, D]`` in the order of ``anchors``.
 
-    Built per correction, not kept: ``B`` is ``[layers, r, D]`` per anchor (a few MB for a full pool,
+    Built per correction, not kept: ``B`` is ``[layers, r, D]`` per entry (a few MB for a full pool,
     milliseconds to copy) and a persistent stack per consumer would duplicate it in the method's state
     (for short segments ``B`` is larger than ``A``)."""
     return torch.cat([a.factor(part, consumer).b for a in anchors], dim=1)
@@ -103,14 +147,18 @@ class AnchorPool:
     evicted: int = 0
 
     def compatible(self, consumer: str, k: int) -> list[Anchor]:
-        """Anchors with a correction for ``consumer`` whose stored length is at least ``k``."""
-        return [a for a in self.anchors if consumer in a.deltas and a.length >= k]
+        """Anchors with an entry for ``consumer`` whose stored length is at least ``k``."""
+        return [a for a in self.anchors if consumer in a.entries and a.length >= k]
 
     def lengths(self, consumer: str) -> list[int]:
-        return sorted((a.length for a in self.anchors if consumer in a.deltas), reverse=True)
+        return sorted((a.length for a in self.anchors if consumer in a.entries), reverse=True)
+
+    def find(self, instance: str) -> Anchor | None:
+        return next((a for a in self.anchors if a.instance == instance), None)
 
     def add(
         self,
+        instance: str,
         source_key: tuple,
         base_k: torch.Tensor,
         base_v: torch.Tensor,
@@ -122,29 +170,29 @@ class AnchorPool:
         svd: str = "gram",
         delta_rank: int | None = -1,
     ) -> Anchor:
-        """Insert the observed correction; an anchor built from the same source gains a consumer.
-        ``rank`` factors the base, ``delta_rank`` the deltas (-1: ``rank``; None: full)."""
+        """Add the consumer's entry to the anchor of ``instance`` (created, evicting when the pool is
+        full, if this instance has none yet). An entry whose source another entry of the anchor
+        already read shares that entry's base factors. ``rank`` factors the base, ``delta_rank`` the
+        deltas (-1: ``rank``; None: full)."""
         rd = rank if delta_rank == -1 else delta_rank
         dk, dv = Factor.make(delta_k, rd, dtype, svd), Factor.make(delta_v, rd, dtype, svd)
-        for a in self.anchors:
-            if a.source_key == source_key:
-                a.deltas[consumer] = (dk, dv)
-                return a
-        if len(self.anchors) >= self.capacity:
-            self.evict()
-        anchor = Anchor(
-            Factor.make(base_k, rank, dtype, svd),
-            Factor.make(base_v, rank, dtype, svd),
-            source_key,
-            self.inserted,
-            {consumer: (dk, dv)},
-        )
-        self.inserted += 1
-        self.anchors.append(anchor)
+        anchor = self.find(instance)
+        if anchor is None:
+            if len(self.anchors) >= self.capacity:
+                self.evict()
+            anchor = Anchor(instance, self.inserted)
+            self.inserted += 1
+            self.anchors.append(anchor)
+        same = next((e for e in anchor.entries.values() if e.source_key == source_key), None)
+        if same is not None:
+            bk, bv = same.base_k, same.base_v
+        else:
+            bk, bv = Factor.make(base_k, rank, dtype, svd), Factor.make(base_v, rank, dtype, svd)
+        anchor.entries[consumer] = Entry(bk, bv, dk, dv, source_key)
         return anchor
 
     def evict(self) -> Anchor:
-        """Least frequently used among the five oldest (ties: the oldest)."""
+        """Least frequently used among the five oldest (ties: the oldest); removes the whole anchor."""
         oldest = sorted(self.anchors, key=lambda a: a.created)[:5]
         victim = min(oldest, key=lambda a: (a.count, a.created))
         self.anchors.remove(victim)
@@ -154,3 +202,19 @@ class AnchorPool:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.anchors)
+
+    def layout(self) -> dict:
+        """Anchors, entries and bytes of the pool (per anchor and per entry, base and delta apart)."""
+        entries = [e for a in self.anchors for e in a.entries.values()]
+        n_a, n_e = len(self.anchors), len(entries)
+        delta = sum(e.delta_nbytes for e in entries)
+        total = self.nbytes
+        return {
+            "anchors": n_a,
+            "entries": n_e,
+            "bytes": total,
+            "delta_bytes": delta,
+            "base_bytes": total - delta,
+            "bytes_per_anchor": total / n_a if n_a else 0.0,
+            "bytes_per_entry": total / n_e if n_e else 0.0,
+        }

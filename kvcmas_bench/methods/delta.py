@@ -31,7 +31,7 @@ from ..ops.lowrank import (
     shift_to_rows,
     token_weights,
 )
-from .anchors import Anchor, AnchorPool, stack_b
+from .anchors import Anchor, AnchorPool, instance_key, stack_b
 from .base import Method, check, state
 
 
@@ -68,6 +68,9 @@ class OnlineDeltaCorrection(Method):
     gate_temperature: float = 0.01
     #: rank r_D of the stored deltas (None: ``rank``); ``rank`` is r_C, the rank of the base caches
     delta_rank: int | None = None
+    #: gate and correct with only the anchors covering the whole segment (KVCOMM's public code);
+    #: False: the paper's variable-length rule (A.3: the longest prefix two anchors cover)
+    full_coverage: ClassVar[bool] = False
     pools: dict[str, AnchorPool] = state(default_factory=dict)
     stats: dict[str, int] = state(default_factory=dict)
     entropies: list[tuple[float, int]] = state(default_factory=list)
@@ -143,8 +146,8 @@ class OnlineDeltaCorrection(Method):
             ctx.details["fallback"] = "dense"
         self._count("dense_fallback")
         exact = ctx.dense()
-        source_key = (ref.uid,)
-        ctx.defer(lambda: self.insert(pool, source_key, ref_k, ref_v, ctx.consumer, exact, inv))
+        instance, source_key = instance_key(ctx.segment.ids, ctx.segment.content_key), (ref.uid,)
+        ctx.defer(lambda: self.insert(pool, instance, source_key, ref_k, ref_v, ctx.consumer, exact, inv))
         return exact
 
     @property
@@ -164,7 +167,8 @@ class OnlineDeltaCorrection(Method):
         """Pick compatible anchors and decide reliability by normalized gate entropy.
 
         The comparison prefix k is the segment length when two anchors cover it, otherwise the
-        longest prefix two anchors cover. With a pool of one the gate is bypassed (paper C.3).
+        longest prefix two anchors cover (``full_coverage``: only anchors covering the whole segment
+        take part, as KVCOMM's code gates). With a pool of one the gate is bypassed (paper C.3).
         ``details`` receives the decision's accounting: outcome, compatible anchors, comparison
         prefix, entropy and the anchors whose activation counts it raised.
         """
@@ -179,6 +183,9 @@ class OnlineDeltaCorrection(Method):
             cands = pool.compatible(consumer, k)
             details.update(gate="bypassed", compare_tokens=k, anchors_used=len(cands))
             return GateDecision(cands, k, torch.ones(len(cands)), None)
+        if self.full_coverage:
+            lengths = [n for n in lengths if n >= S]
+            details["anchors_covering"] = len(lengths)
         if len(lengths) < 2:
             details["gate"] = "too_few_anchors"
             return None
@@ -291,6 +298,7 @@ class OnlineDeltaCorrection(Method):
     def insert(
         self,
         pool: AnchorPool,
+        instance: str,
         source_key: tuple,
         ref_k: torch.Tensor,
         ref_v: torch.Tensor,
@@ -298,15 +306,30 @@ class OnlineDeltaCorrection(Method):
         exact: SegmentKV,
         inv_freq: torch.Tensor,
     ) -> None:
-        """New anchor from a dense fallback: base = C_ref, Delta = C_j - align(C_ref) (canonical)."""
+        """The consumer's entry from a dense fallback, in the anchor of this instance of the slot:
+        base = C_ref, Delta = C_j - align(C_ref) (canonical)."""
         ex_k = shift_to_rows(exact.k, -exact.start, inv_freq)
         ex_v = rows_copy(exact.v)
         dtype = getattr(torch, self.anchor_dtype) if self.anchor_dtype else exact.k.dtype
         ex_k -= ref_k
         ex_v -= ref_v
         rd = self.rank if self.delta_rank is None else self.delta_rank
-        pool.add(source_key, ref_k, ref_v, consumer, ex_k, ex_v, self.rank, dtype, self.svd, delta_rank=rd)
-        self._count("anchors_inserted")
+        before = pool.inserted
+        pool.add(instance, source_key, ref_k, ref_v, consumer, ex_k, ex_v, self.rank, dtype, self.svd, delta_rank=rd)
+        self._count("entries_inserted")
+        if pool.inserted > before:
+            self._count("anchors_inserted")
+
+    def state_layout(self) -> dict:
+        """Anchors, entries and bytes per slot pool (per anchor and per entry), and their totals."""
+        slots = {slot: pool.layout() for slot, pool in self.pools.items()}
+        total = {
+            k: sum(p[k] for p in slots.values()) for k in ("anchors", "entries", "bytes", "base_bytes", "delta_bytes")
+        }
+        total["bytes_per_anchor"] = total["bytes"] / total["anchors"] if total["anchors"] else 0.0
+        total["bytes_per_entry"] = total["bytes"] / total["entries"] if total["entries"] else 0.0
+        total["reference_bytes"] = sum(r.nbytes for r in self.references.values())
+        return {"total": total, "slots": slots}
 
     def state_bytes(self) -> int:
         n = sum(p.nbytes for p in self.pools.values())

@@ -4,8 +4,10 @@ Each anchor stores the context-free reference cache of its segment (positions at
 consuming agent, Delta_j = C_j - C_ref (full K and V, every layer). The gate accepts when the
 entropy of softmax(-||V_ref - V_anchor||) is <= gamma * log2(N) (normalized entropy <= gamma);
 token-wise weights softmax(-mean|ref - anchor|); layer 0 is recomputed exactly (it depends only on
-tokens and positions). V = 20 anchors, LFU eviction among the 5 oldest. Memory O(V N L D) per slot.
-The first agent is corrected too (non-chained).
+tokens and positions; counted as S recomputed token-layers). As in KVCOMM's public code, the gate and
+the correction use only the anchors covering the whole segment (fewer than two: dense prefill).
+V = 20 anchors, LFU eviction among the 5 oldest. Memory O(V N L D) per slot. The first agent is
+corrected too (non-chained).
 
 KVComm's own defaults stay KVComm's: gamma (``--tau``) is 0.3 on every workload unless the user sets
 it (the per-workload taus are KVCMAS's), and the anchors are always full-dimensional: ``--rank`` is
@@ -15,6 +17,7 @@ not an option here (the low-rank non-chained variant is ``kvcmas-nonchained``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .base import register
 from .delta import OnlineDeltaCorrection
@@ -31,6 +34,7 @@ class KVComm(OnlineDeltaCorrection):
     delta_rank: int | None = field(default=None, init=False)
     chained: bool = False
     exact_layer0: bool = True
+    full_coverage: ClassVar[bool] = True
 
     @classmethod
     def workload_defaults(cls, workload) -> dict:

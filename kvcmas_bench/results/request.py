@@ -38,10 +38,15 @@ class SegmentRecord:
     recomputed_token_layers: int = 0
     #: wall time of the method's decision and materialization (inside TTFT; CUDA-synchronized)
     materialize_s: float | None = None
+    #: fidelity (with --fidelity): relative error against the rows of a full dense prefill of the
+    #: same prompt, overall, K, V and per layer
     kv_rel_error: float | None = None
     k_rel_error: float | None = None
     v_rel_error: float | None = None
     kv_rel_error_per_layer: list[float] | None = None
+    #: the error this segment's own materialization adds: against a dense prefill of the segment over
+    #: the cache as the method built it (0 for a dense segment, whatever came before)
+    local_kv_rel_error: float | None = None
     details: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:

@@ -92,7 +92,7 @@ class MethodStateStore:
         raise TypeError(f"cannot persist a {type(obj).__name__} in method state")
 
     def _tensor_key(self, t: torch.Tensor, n: int) -> str:
-        known = self._known.get(id(t))
+        known = self._used.get(id(t)) or self._known.get(id(t))  # shared tensors are written once
         if known is not None and known[1] is t:
             key = known[0]
         else:
@@ -122,6 +122,7 @@ class MethodStateStore:
         if body.get("format") != FORMAT or body.get("method") != method.name or body.get("n") != n:
             raise BenchError(f"{path} does not hold {method.name}'s state after {n} samples")
         self._used = {}
+        self._loaded: dict[str, torch.Tensor] = {}
         self._device = torch.device(device)
         try:
             state = self._decode(body["state"])
@@ -140,8 +141,11 @@ class MethodStateStore:
             key = str(obj["__tensor__"])
             if not key.replace("-", "").isdigit():
                 raise ValueError(f"bad tensor key {key!r}")
+            if key in self._loaded:  # a tensor shared by several owners stays shared
+                return self._loaded[key]
             t = torch.load(self.tensors / f"{key}.pt", map_location=self._device, weights_only=True)
             self._used[id(t)] = (key, t)
+            self._loaded[key] = t
             return t
         if "__tuple__" in obj:
             return tuple(self._decode(x) for x in obj["__tuple__"])

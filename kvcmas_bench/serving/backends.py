@@ -11,13 +11,13 @@ picks it by name.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from .. import memory
 from ..engine import Engine
 from ..errors import BenchError
 from ..methods import Method, MethodSpec
@@ -141,21 +141,8 @@ class TraceFlow:
 
 
 def reset_peaks(engine: Engine) -> bool:
-    """Restart peak-memory tracking: CUDA peak stats and (Linux) the process RSS high-water mark.
-
-    Returns whether the RSS high-water mark could be reset (``/proc/self/clear_refs``); when not,
-    ``peak_rss_bytes`` stays the process-wide high-water mark since start-up.
-    """
-    gc.collect()
-    if engine.device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(engine.device)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    """Restart peak-memory tracking for the engine's device (:func:`kvcmas_bench.memory.reset_peaks`)."""
+    return memory.reset_peaks(engine.device)
 
 
 class InProcessBackend:

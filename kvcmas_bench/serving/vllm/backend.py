@@ -10,7 +10,6 @@ Only one engine per process (vLLM keeps its KV-transfer group in module globals)
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -375,10 +374,6 @@ class _Flow:
 
 
 def _reset_rss() -> bool:
-    gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    from ...memory import reset_peaks
+
+    return reset_peaks()

@@ -106,6 +106,7 @@ class PlanContext(SegmentContext):
             raise BenchError("exact layer 0 on the vLLM engine needs a cache of the same tokens")
         kv.k[0] = shift_keys(reference.k[:1], self.start - reference.start, self.engine.inv_freq)[0].to(kv.k.dtype)
         kv.v[0] = reference.v[0].to(kv.v.dtype)
+        self.recomputed_token_layers += self.length
         return kv
 
     def _internals(self, *_, **__):
@@ -166,6 +167,7 @@ class _Agent:
     deferred: list[Callable[[], None]] = field(default_factory=list)
     reused: int = 0
     reference: int = 0
+    recomputed: int = 0
     eligible: int = 0
     captures: list[Capture] = field(default_factory=list)
     output_capture: Capture | None = None
@@ -251,6 +253,7 @@ class TrajectoryRun:
             reused = S - ctx.prefilled if kv.status != "exact" else 0
             a.reused += reused
             a.reference += ctx.reference_tokens
+            a.recomputed += ctx.recomputed_token_layers
             rec_kw = {
                 "status": kv.status,
                 "source_agent": ctx.source.agent if ctx.source is not None else None,
@@ -258,6 +261,7 @@ class TrajectoryRun:
                 "reused_tokens": reused,
                 "prefilled_tokens": ctx.prefilled,
                 "reference_tokens": ctx.reference_tokens,
+                "recomputed_token_layers": ctx.recomputed_token_layers,
                 "details": dict(ctx.details),
             }
         a.eligible += S if eligible else 0
@@ -354,7 +358,7 @@ class TrajectoryRun:
             prefilled_tokens=computed,
             reused_tokens=a.reused,
             reference_tokens=a.reference,
-            recomputed_token_layers=0,
+            recomputed_token_layers=a.recomputed,
             eligible_tokens=a.eligible,
             segments=a.records,
             materialized=a.materialized,
@@ -398,9 +402,9 @@ class TrajectoryRun:
 
 
 def _peak_rss() -> int:
-    import resource
+    from ...memory import peak_rss
 
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return peak_rss()
 
 
 def kv_request(rt: Runtime, ids: tuple[int, ...]) -> tuple[EngineRequest, Capture]:
