@@ -85,6 +85,25 @@ def _duplicate_line(path: Path, n: int) -> None:
     path.write_bytes(b"".join(lines + [lines[n - 1]]))
 
 
+def _delete_line(path: Path, n: int) -> None:
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[: n - 1] + lines[n:]))
+
+
+def _rename_sample(d: Path, n: int) -> None:
+    """Sample line ``n`` gets another id (its request lines keep the old one)."""
+    row = json.loads((d / "samples.jsonl").read_bytes().splitlines()[n - 1])
+    _replace_line(d / "samples.jsonl", n, json.dumps({**row, "sample_id": "mmlu-renamed"}).encode() + b"\n")
+
+
+def _append_orphans(path: Path, *ids: str) -> None:
+    with open(path, "ab") as f:
+        for sid in ids:
+            f.write(
+                json.dumps({"sample_id": sid, "agent": "x", "ttft_s": 0.1, "e2e_s": 0.2, "step": 0}).encode() + b"\n"
+            )
+
+
 # ---- defect 1: damaged run directories ------------------------------------------------------------
 @pytest.mark.parametrize(
     "damage,needle",
@@ -101,6 +120,13 @@ def _duplicate_line(path: Path, n: int) -> None:
         (lambda d: _duplicate_line(d / "samples.jsonl", 1), "samples.jsonl line 5 repeats sample"),
         (lambda d: _duplicate_line(d / "requests.jsonl", 1), "requests.jsonl line 17 repeats request"),
         (lambda d: (d / "config.json").write_bytes(b"\xff\xfe"), "config.json is not valid JSON"),
+        # issue 18: the cases readers check too (one rule set, records.read_run_files)
+        (lambda d: _delete_line(d / "requests.jsonl", 4), "samples.jsonl line 1 is sample"),
+        (lambda d: _rename_sample(d, 2), "requests.jsonl line 5 belongs to sample"),
+        (
+            lambda d: _append_orphans(d / "requests.jsonl", "mmlu-x", "mmlu-y"),
+            "requests.jsonl line 18 belongs to sample",
+        ),
     ],
     ids=[
         "garbage-request-line-3",
@@ -112,6 +138,9 @@ def _duplicate_line(path: Path, n: int) -> None:
         "duplicate-sample",
         "duplicate-request",
         "binary-config",
+        "missing-last-step",
+        "changed-sample-id",
+        "orphans-of-two-samples",
     ],
 )
 def test_damaged_run_directory_stops_the_run_and_stays_untouched(
@@ -124,6 +153,23 @@ def test_damaged_run_directory_stops_the_run_and_stays_untouched(
     assert run_cli(tiny_run(tiny_model_dir, out, "--limit", "4")) == 2
     one_error_line(capsys, needle)
     assert snapshot(out) == before
+
+
+def test_readers_read_a_real_run_and_refuse_what_resume_refuses(finished_run, tmp_path, capsys):
+    """The run's own directory reads as it was written (its config's 4 agents: 4 request lines per
+    sample); a sample missing its last request is refused by ``report`` as by resume (issue 18)."""
+    from kvcmas_bench.results.frames import load_dirs
+
+    (run,) = load_dirs([finished_run]).runs
+    assert len(run.samples) == 4 and len(run.requests) == 16
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    _delete_line(out / "requests.jsonl", 4)
+    before = snapshot(out)
+    capsys.readouterr()
+    assert run_cli(["report", str(out), "--no-plots"]) == 2
+    one_error_line(capsys, "samples.jsonl is corrupt (line 1 is sample")
+    assert snapshot(out) == before and not (out / "report").exists()
 
 
 def test_request_line_of_a_finished_sample_that_is_not_a_record(

@@ -6,10 +6,16 @@ workload x method cell), ``config.json`` with ``"command": "serve-sweep"`` (a sw
 combines them into one frame per kind of record (runs, samples, requests, sweep rows), each row
 carrying the run's ``run_id``, ``workload``, ``method`` and ``label``.
 
-Reading is strict where ``run`` resume is lenient: a torn last line (a run killed mid-write) is
-dropped as resume drops it, but any other unreadable line, an unreadable JSON file or a request
-line that is not a :class:`~kvcmas_bench.results.request.RequestRecord` is a :class:`BenchError`
-naming the file and line ("corrupt input" for ``report`` and ``compare``).
+Readers check what writers check: a run directory (alone or as a suite cell) is read by
+:func:`~kvcmas_bench.results.records.read_run_files`, the rule set of ``run``'s resume. What a kill
+leaves (a torn last line, the request lines of the one unfinished sample at the end) is dropped as
+resume drops it; any other damage (an unreadable line, a sample or request line written twice, a
+request line of no finished sample followed by finished ones, a finished sample with missing
+request steps, a request line that is not a :class:`~kvcmas_bench.results.request.RequestRecord`)
+and an unreadable JSON file are a :class:`BenchError` naming the file and line ("corrupt input":
+exit 2 for ``report`` and ``compare``, before anything is written). A sweep's ``service.jsonl``
+and ``requests.jsonl`` are read by the same line rules, and a measurement or served request written
+twice is an error too.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..errors import BenchError
+from .records import corrupt_input, read_jsonl_objects, read_run_files, request_steps
 from .request import RequestRecord
 
 #: config keys that define *what* a run evaluated, apart from the method: runs agreeing on them
@@ -58,28 +65,18 @@ def read_json(path: Path) -> dict:
 
 
 def read_jsonl(path: Path, required: bool = True) -> list[dict]:
-    """Complete JSON lines of ``path``; a torn last line is dropped, any other bad line is an error."""
+    """Complete JSON lines of ``path`` by the line rules of ``run``'s resume
+    (:func:`~kvcmas_bench.results.records.read_jsonl_objects`): a torn last line is dropped, any
+    other line that is not a JSON object is a one-line :class:`BenchError` naming it."""
+    return [obj for _, _, obj in _jsonl_rows(path, required)]
+
+
+def _jsonl_rows(path: Path, required: bool = True) -> list[tuple[int, bytes, dict]]:
     if not path.exists():
         if required:
             raise BenchError(f"{path} is missing")
         return []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError) as exc:
-        raise BenchError(f"{path} is corrupt ({type(exc).__name__})") from None
-    lines = text.split("\n")
-    rows = []
-    for i, line in enumerate(lines[:-1], start=1):  # lines[-1]: "" or a torn last line
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise BenchError(f"{path} is corrupt (line {i} is not JSON)") from None
-        if not isinstance(row, dict):
-            raise BenchError(f"{path} is corrupt (line {i} is not a JSON object)")
-        rows.append(row)
-    return rows
+    return read_jsonl_objects(path, corrupt_input)[0]
 
 
 def dir_kind(path: str | Path) -> str:
@@ -111,7 +108,10 @@ def request_row(rec: RequestRecord) -> dict:
     for status in _SEG_STATUSES:
         d[f"seg_{status}"] = sum(s["status"] == status for s in shared)
     d["seg_statuses"] = ",".join(s["status"] for s in shared)
-    errs = [s["kv_rel_error"] for s in shared if s["source_agent"] and s["kv_rel_error"] is not None]
+    # every shared segment with a measured error (a densely prefilled one too: after a corrected
+    # segment it differs from the full dense prefill): the
+    # definition of ``summary.json``'s fidelity.kv_rel_error (``summary.fidelity_figures``)
+    errs = [s["kv_rel_error"] for s in shared if s["kv_rel_error"] is not None]
     d["seg_kv_rel_error_sum"] = float(sum(errs))
     d["seg_kv_rel_error_n"] = len(errs)
     return d
@@ -169,18 +169,19 @@ class Sweep:
 
 
 def load_run(path: str | Path) -> Run:
-    """A run directory (``summary.json`` optional: every table is computed from the records)."""
+    """A run directory (``summary.json`` optional: every table is computed from the records), its
+    finished samples and their requests checked as ``run``'s resume checks them
+    (:func:`~kvcmas_bench.results.records.read_run_files`)."""
     p = Path(path)
     config = read_json(p / "config.json")
     summary = read_json(p / "summary.json") if (p / "summary.json").exists() else {}
-    samples = read_jsonl(p / "samples.jsonl")
-    for i, s in enumerate(samples, start=1):
-        if "sample_id" not in s or "correct" not in s:
-            raise BenchError(f"{p / 'samples.jsonl'} is corrupt (line {i} has no sample_id/correct)")
-    sdf = pd.DataFrame(samples)
-    done = set(sdf["sample_id"]) if not sdf.empty else set()
-    reqs = [r for r in read_jsonl(p / "requests.jsonl", required=False) if r.get("sample_id") in done]
-    return Run(p, config, summary, sdf, requests_frame(reqs, p / "requests.jsonl"))
+    if not (p / "samples.jsonl").exists():
+        raise BenchError(f"{p / 'samples.jsonl'} is missing")
+    samples, _, records, _ = read_run_files(
+        p / "samples.jsonl", p / "requests.jsonl", request_steps(config), corrupt_input
+    )
+    sdf = pd.DataFrame([s for _, _, s in samples])
+    return Run(p, config, summary, sdf, pd.DataFrame([request_row(r) for r in records]))
 
 
 def load_sweep(path: str | Path) -> Sweep:
@@ -190,12 +191,36 @@ def load_sweep(path: str | Path) -> Sweep:
     summary = read_json(p / "summary.json")
     if not isinstance(summary.get("rows"), list):
         raise BenchError(f"{p / 'summary.json'} is corrupt (no rows)")
-    service = requests_frame(read_jsonl(p / "service.jsonl", required=False), p / "service.jsonl")
-    return Sweep(p, config, summary, pd.DataFrame(summary["rows"]), service)
+    service = []
+    for n, d in _unique_rows(p / "service.jsonl", ("method", "shared_tokens", "trajectory", "step"), "measurement"):
+        try:
+            service.append(request_row(RequestRecord.from_dict(d)))
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise corrupt_input(p / "service.jsonl", n, f"is not a valid request record ({str(exc)[:200]})") from None
+    _unique_rows(p / "requests.jsonl", ("method", "shared_tokens", "qps", "trajectory", "step"), "served request")
+    return Sweep(p, config, summary, pd.DataFrame(summary["rows"]), pd.DataFrame(service))
+
+
+def _unique_rows(path: Path, key: tuple[str, ...], what: str) -> list[tuple[int, dict]]:
+    """The lines of a sweep's record file (optional) as (line number, object), by the line rules of
+    resume; two records of the same ``key`` (a line written twice) are a one-line
+    :class:`BenchError` naming both lines."""
+    seen: dict[str, int] = {}
+    out = []
+    for n, _, d in _jsonl_rows(path, required=False):
+        k = json.dumps([d.get(f) for f in key], sort_keys=True, default=str)
+        if d.get("trajectory") is None or d.get("step") is None:
+            k = f"line {n}"  # not a numbered step of a trajectory: nothing to repeat
+        if k in seen:
+            raise corrupt_input(path, n, f"repeats the {what} of line {seen[k]}")
+        seen[k] = n
+        out.append((n, d))
+    return out
 
 
 def suite_cells(path: str | Path) -> list[Path]:
-    """The run directories of a suite (cells not started yet are skipped)."""
+    """The run directories of a suite (cells not started yet are skipped); :func:`load_dirs` reads
+    each with :func:`load_run`, so every cell is checked as a run directory is."""
     p = Path(path)
     manifest = read_json(p / "suite.json")
     cells = manifest.get("cells")
@@ -203,6 +228,8 @@ def suite_cells(path: str | Path) -> list[Path]:
         raise BenchError(f"{p / 'suite.json'} is corrupt (no cells)")
     out = []
     for name, cell in cells.items():
+        if not isinstance(cell, dict):
+            raise BenchError(f"{p / 'suite.json'} is corrupt (cell {name!r} is not an object)")
         d = p / str(cell.get("path", name))
         if (d / "config.json").exists() and (d / "samples.jsonl").exists():
             out.append(d)

@@ -5,9 +5,11 @@ sample line. A sample counts as finished only once its sample line is complete, 
 any point resumes by skipping finished samples and dropping what the kill cut off: a torn last line
 and the request lines of the unfinished sample. Nothing else is ever dropped or rewritten: any other
 damage (a corrupt line in the middle, a line that is not a record, a sample or request written
-twice) stops the run with one line naming the file and line, and leaves every file as it was. A
-run directory is locked (:mod:`.outdir`) while a ``RunDir`` is open, so two processes never write
-into the same one.
+twice, a sample id that its request lines do not carry) stops the run with one line naming the
+file and line, and leaves every file as it was. Readers (``report``, ``compare``, ``ablate``,
+``analyze``, through :mod:`.frames`) check a run directory by the same :func:`read_run_files`,
+only worded for input (:func:`corrupt_input`). A run directory is locked (:mod:`.outdir`) while a
+``RunDir`` is open, so two processes never write into the same one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import BenchError
@@ -41,8 +44,11 @@ RESUME_KEYS = (
 )
 
 
+_NOT_JSON = object()  # what _parse gives for a line that is not JSON at all
+
+
 def _parse(path: Path) -> tuple[list[tuple[int, bytes, object]], bool]:
-    """``path``'s lines as (line number, raw bytes, parsed object or None), and whether its last
+    """``path``'s lines as (line number, raw bytes, parsed object or ``_NOT_JSON``), and whether its last
     line is torn (killed mid-write: no newline at the end, or not parseable) and dropped."""
     if not path.exists():
         return [], False
@@ -59,78 +65,118 @@ def _parse(path: Path) -> tuple[list[tuple[int, bytes, object]], bool]:
         try:
             obj = json.loads(line.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError):
-            obj = None
+            obj = _NOT_JSON
         rows.append((n, line, obj))
     torn = bool(rows) and (not raw[-1].endswith(b"\n") or not isinstance(rows[-1][2], dict))
     return (rows[:-1] if torn else rows), torn
 
 
+#: ``corrupt(path, line number, what is wrong)``: the error raised for a damaged line
+Corrupt = Callable[[Path, int, str], BenchError]
+
+
 def _corrupt(path: Path, n: int, what: str) -> BenchError:
+    """The error of a damaged line for a job that writes into the directory (``run``'s resume)."""
     return BenchError(
         f"{path} line {n} {what}; nothing was changed (repair or remove that line, or use another --output-path)"
     )
 
 
-def read_jsonl_objects(path: Path) -> tuple[list[tuple[int, bytes, dict]], bool]:
+def corrupt_input(path: Path, n: int, what: str) -> BenchError:
+    """The error of a damaged line for a job that only reads the directory (``report``, ``compare``)."""
+    return BenchError(f"{path} is corrupt (line {n} {what})")
+
+
+def read_jsonl_objects(path: Path, corrupt: Corrupt = _corrupt) -> tuple[list[tuple[int, bytes, dict]], bool]:
     """Every line of ``path`` as (line number, raw bytes, JSON object), and whether a torn last line
-    was dropped; any other line that is not a JSON object raises ``BenchError`` naming it."""
+    was dropped; any other line that is not a JSON object raises ``corrupt(...)`` naming it."""
     rows, torn = _parse(path)
     for n, _, obj in rows:
         if not isinstance(obj, dict):
-            raise _corrupt(path, n, "is not a JSON object")
+            raise corrupt(path, n, "is not JSON" if obj is _NOT_JSON else "is not a JSON object")
     return rows, torn  # type: ignore[return-value]
 
 
-def read_run_files(samples_path: Path, requests_path: Path):
-    """The finished samples and their request records of a run directory, checked line by line.
+def request_steps(config: dict | None) -> int | None:
+    """Request lines per finished sample of the run ``config`` describes (one per workflow node,
+    listed as ``agents``), or None when the config does not say."""
+    agents = (config or {}).get("agents")
+    return len(agents) if isinstance(agents, list) and agents else None
+
+
+def read_run_files(samples_path: Path, requests_path: Path, steps: int | None = None, corrupt: Corrupt = _corrupt):
+    """The finished samples and their request records of a run directory, checked line by line:
+    the one rule set of every job that opens a run directory, writers (``run``'s resume) and
+    readers (``report``, ``compare``, ``ablate``, ``analyze``) alike.
 
     A sample is finished once its sample line is complete. A torn last line of either file and the
-    request lines of the unfinished sample at the end of ``requests.jsonl`` (written before a kill
-    cut its sample line) are dropped; any other damage (a corrupt line anywhere else, a line that is
-    not a JSON object, a sample without an id or written twice, a finished sample's request line
-    that is not a valid ``RequestRecord`` or is written twice, a finished sample with missing
-    request steps) raises ``BenchError`` naming the file and line.
+    request lines of the one unfinished sample at the end of ``requests.jsonl`` (written before a
+    kill cut its sample line) are dropped; any other damage raises ``corrupt(path, line, what)``
+    naming the file and line: a corrupt line anywhere else, a line that is not a JSON object, a
+    sample without an id or written twice, request lines of no finished sample followed by finished
+    ones (a sample id changed) or of more than one unfinished sample, a finished sample's request
+    line that is not a valid ``RequestRecord`` or is written twice, a finished sample with missing
+    request steps (``steps``: how many each sample has, when the config says, see
+    :func:`request_steps`; else steps 0..k-1 without gaps).
     Returns (sample rows, request rows, requests, whether a file must be rewritten without the
     dropped lines); rows are (line number, raw bytes, object).
     """
-    samples, torn_s = read_jsonl_objects(samples_path)
+    samples, torn_s = read_jsonl_objects(samples_path, corrupt)
     done: dict[str, int] = {}
     for n, _, s in samples:
         sid = s.get("sample_id")
         if not isinstance(sid, str) or not isinstance(s.get("correct"), bool):
-            raise _corrupt(samples_path, n, "is not a sample record (sample_id, correct)")
+            raise corrupt(samples_path, n, "is not a sample record (sample_id, correct)")
         if sid in done:
-            raise _corrupt(samples_path, n, f"repeats sample {sid!r} of line {done[sid]} (two runs wrote at once?)")
+            raise corrupt(samples_path, n, f"repeats sample {sid!r} of line {done[sid]} (two runs wrote at once?)")
         done[sid] = n
-    lines, torn_r = read_jsonl_objects(requests_path)
-    kept, records, seen, orphan = [], [], {}, None
+    lines, torn_r = read_jsonl_objects(requests_path, corrupt)
+    kept, records, seen = [], [], {}
+    orphan: tuple[int, object] | None = None  # first line of the unfinished sample and its id
     for n, line, r in lines:
-        if r.get("sample_id") not in done:
-            orphan = orphan or n  # of a sample cut off by a kill: only ever the tail of the file
+        sid = r.get("sample_id")
+        if not isinstance(sid, str) or sid not in done:  # of the sample a kill cut off: only ever the tail
+            if orphan is None:
+                orphan = (n, sid)
+            elif sid != orphan[1]:
+                raise corrupt(
+                    requests_path,
+                    n,
+                    f"belongs to sample {sid!r}, which has no line in {samples_path.name}, after line "
+                    f"{orphan[0]} of unfinished sample {orphan[1]!r} (a kill cuts off one sample only)",
+                )
             continue
         if orphan is not None:
-            raise _corrupt(requests_path, orphan, "belongs to no finished sample but is followed by finished ones")
+            raise corrupt(
+                requests_path,
+                orphan[0],
+                f"belongs to sample {orphan[1]!r}, which has no line in {samples_path.name}, "
+                "but finished samples follow it",
+            )
         try:
             rec = RequestRecord.from_dict(r)
+            if rec.step is not None and (not isinstance(rec.step, int) or isinstance(rec.step, bool)):
+                raise ValueError(f"step {rec.step!r} is not an integer")
         except (ValueError, TypeError, AttributeError, KeyError) as exc:
-            raise _corrupt(requests_path, n, f"is not a valid request record ({str(exc)[:200]})") from None
+            raise corrupt(requests_path, n, f"is not a valid request record ({str(exc)[:200]})") from None
         key = (rec.sample_id, rec.step)
         if rec.step is not None and key in seen:
-            raise _corrupt(
+            raise corrupt(
                 requests_path, n, f"repeats request {rec.step} of sample {rec.sample_id!r} of line {seen[key]}"
             )
         seen[key] = n
         kept.append((n, line, r))
         records.append(rec)
-    steps: dict[str, list] = {}
+    got_steps: dict[str, list] = {}
     for rec in records:
-        steps.setdefault(rec.sample_id, []).append(rec.step)
+        got_steps.setdefault(rec.sample_id, []).append(rec.step)
     for sid, n in done.items():
-        got = steps.get(sid, [])
-        if not got or (None not in got and sorted(got) != list(range(len(got)))):
-            raise _corrupt(
-                samples_path, n, f"is sample {sid!r}, whose request lines in {requests_path.name} are incomplete"
-            )
+        got = got_steps.get(sid, [])
+        want = list(range(len(got) if steps is None else steps))
+        if not got or (None not in got and sorted(got) != want):
+            bad = steps is not None and not set(got) <= set(want)
+            what = f"are not its {steps} steps 0..{steps - 1}" if bad else "are incomplete"
+            raise corrupt(samples_path, n, f"is sample {sid!r}, whose request lines in {requests_path.name} {what}")
     rewrite = torn_s or torn_r or len(kept) != len(lines)
     return samples, kept, records, rewrite
 
@@ -139,8 +185,8 @@ def check_run_dir(path: str | Path) -> None:
     """Raise ``BenchError`` if the run directory ``path`` is damaged beyond a torn last line (as
     opening it would), without changing anything: lets a job fail before it loads the model."""
     path = Path(path)
-    _read_config(path / "config.json")
-    read_run_files(path / "samples.jsonl", path / "requests.jsonl")
+    config = _read_config(path / "config.json")
+    read_run_files(path / "samples.jsonl", path / "requests.jsonl", request_steps(config))
 
 
 def _read_config(path: Path) -> dict | None:
@@ -186,7 +232,9 @@ class RunDir:
                     f"{self.path} holds a run with a different {diff[0]} "
                     f"({old.get(diff[0])!r} vs {config.get(diff[0])!r}); use another --output-path"
                 )
-        samples, requests, self.requests, rewrite = read_run_files(self.samples_path, self.requests_path)
+        samples, requests, self.requests, rewrite = read_run_files(
+            self.samples_path, self.requests_path, request_steps(old)
+        )
         self.samples = [s for _, _, s in samples]
         if rewrite:  # drop a torn last line and orphaned request lines; kept lines stay byte-identical
             atomic_write(self.samples_path, b"".join(line for _, line, _ in samples))
