@@ -558,6 +558,9 @@ def suite_cmd(
     method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
     report_format: str = typer.Option("md,html", "--format", help="Report formats: md, html, csv, parquet."),
     plots: bool = typer.Option(True, help="Draw the report figures."),
+    repeats: int = typer.Option(
+        1, help="Run every cell N times, repeat r with seed SEED+r (in DIR/repeat-r/); the report adds mean and std."
+    ),
 ) -> None:
     """Run a matrix of methods x workloads (one resumable run directory per cell, the same samples for
     every method, NonShared as the reference) and write the report (Table 1, agreement, Pareto plots)."""
@@ -580,6 +583,7 @@ def suite_cmd(
         method_args=knob_args(method_arg, tau=tau, rho=rho),
         report_formats=_split(report_format) or [],
         plots=plots,
+        repeats=repeats,
     )
     res = _with_progress(run_suite, opts)
     if res.report is not None:
@@ -622,6 +626,9 @@ def compare_cmd(
     timings: bool = typer.Option(True, help="Check timings and peak memory (skipped anyway across hardware)."),
     exact: bool = typer.Option(False, help="Fail on any difference of deterministic values where configs match."),
     markdown: str | None = typer.Option(None, "--markdown", help="Write a Markdown report (for a PR comment)."),
+    significance: float | None = typer.Option(
+        None, help="Count an accuracy drop only when the exact McNemar p on the paired samples is below ALPHA."
+    ),
 ) -> None:
     """Compare a candidate against a baseline: one-line verdict on stdout; exit 0 pass, 1 regression,
     2 unusable input (missing, corrupt or incomparable: other model, samples or seed)."""
@@ -639,6 +646,7 @@ def compare_cmd(
         noise=_fraction("--noise", noise),
         timings=timings,
         exact=exact,
+        significance=significance,
     )
     cmp = compare(baseline, candidate, lim)
     if markdown:

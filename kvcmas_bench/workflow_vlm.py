@@ -157,7 +157,10 @@ class VLMWorkflow(Workflow):
             shared_ids,
             {slot: kv.agent for slot, kv in sources.items()},
         )
-        return [replace(s, embeds=visual.embeds, content_key=visual.key) if s.kind == "PH" and s.slot == visual.kind else s for s in segs]
+        return [
+            replace(s, embeds=visual.embeds, content_key=visual.key) if s.kind == "PH" and s.slot == visual.kind else s
+            for s in segs
+        ]
 
     def run_sample(self, sample: Sample) -> UnitRun:
         visual = self.visual_input(sample)

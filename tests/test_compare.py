@@ -104,6 +104,60 @@ def test_thresholds_absolute_and_relative(base, cand):
             parse_threshold("x", bad)
 
 
+def _all_wrong(r):
+    # KVCMAS wrong on every sample: it was right on 5 (mmlu-0..3, mmlu-5), so 5 discordant pairs, none
+    # the other way: exact McNemar p = 2 * 0.5**5 = 0.0625
+    return {**r, "prediction": "X", "correct": False}
+
+
+def test_significance_counts_only_a_significant_accuracy_drop(base, cand, tmp_path, capsys):
+    edit_jsonl(cand / "kv" / "samples.jsonl", _wrong_answer)  # 5/6 -> 4/6: one discordant pair, p = 1
+    rc, out, _ = cli([base, cand], capsys)
+    assert rc == 1 and "mmlu/kvcmas accuracy" in out
+    md = tmp_path / "cmp.md"
+    # the agreement drop is not under the significance rule: allowed here to isolate the accuracy check
+    rc, out, _ = cli([base, cand, "--significance", "0.05", "--max-agreement-drop", "1", "--markdown", md], capsys)
+    assert rc == 0 and out.startswith("PASS")
+    text = md.read_text()
+    assert "unless McNemar p >= 0.05" in text
+    note = "mmlu/kvcmas: accuracy -0.167, not significant: McNemar p = 1 (of 6 paired samples, 1 lost, 0 gained)"
+    assert note in text
+    cmp = compare(str(base), str(cand), Limits(significance=0.05))
+    (acc,) = [c for c in cmp.checks if c.metric == "accuracy" and c.scope == "mmlu/kvcmas"]
+    assert acc.status == "ok" and "p = 1" in acc.note
+
+
+def test_significance_level_decides_a_larger_drop(base, cand, capsys):
+    edit_jsonl(cand / "kv" / "samples.jsonl", _all_wrong)  # 5/6 -> 0/6: b = 5, c = 0, p = 0.0625
+    lim = dict(agreement_drop=parse_threshold("x", "1"))
+    assert not compare(str(base), str(cand), Limits(significance=0.05, **lim)).regressed
+    cmp = compare(str(base), str(cand), Limits(significance=0.1, **lim))
+    (fail,) = cmp.failures
+    assert fail.metric == "accuracy" and "McNemar p = 0.0625 (of 6 paired samples, 5 lost, 0 gained)" in fail.line()
+    rc, out, _ = cli([base, cand, "--significance", "0.1", "--max-agreement-drop", "1"], capsys)
+    assert rc == 1 and "McNemar p = 0.0625" in out
+    for bad in ("0", "1", "1.5", "-0.1"):
+        assert "--significance" in _one_line_exit_2([base, cand, "--significance", bad])
+
+
+def test_repeats_are_matched_by_seed(tmp_path):
+    from .synthetic import make_run
+
+    def suite(root, preds_seed1):
+        cells = {}
+        for seed, preds in ((0, ["A", "B", "C", "D", "B", "B"]), (1, preds_seed1)):
+            name = "mmlu/kvcmas" if seed == 0 else f"repeat-{seed}/mmlu/kvcmas"
+            make_run(root / name, "kvcmas", preds, seed=seed)
+            cells[name] = {"workload": "mmlu", "method": "kvcmas", "path": name, "status": "done"}
+        (root / "suite.json").write_text(json.dumps({"command": "suite", "settings": {}, "cells": cells}))
+        return root
+
+    a = suite(tmp_path / "a", ["A", "B", "C", "D", "A", "B"])
+    b = suite(tmp_path / "b", ["A", "B", "C", "D", "A", "C"])  # seed 1: 6/6 -> 5/6
+    cmp = compare(str(a), str(b), Limits(exact=True))
+    assert cmp.pairs == 2 and [(c.scope, c.metric) for c in cmp.failures] == [("mmlu/kvcmas seed=1", "accuracy")]
+
+
 def test_exact_fails_on_a_changed_first_token(base, cand, capsys):
     edit_jsonl(cand / "kv" / "requests.jsonl", lambda r: {**r, "first_token_id": 99} if r["step"] == 0 else r)
     # first-token agreement with NonShared drops too; without that check, --exact still fails
@@ -147,9 +201,8 @@ def _seed(cand):
 
 
 def _samples(cand):
-    edit_jsonl(
-        cand / "kv" / "samples.jsonl", lambda r: {**r, "sample_id": "mmlu-99"} if r["sample_id"] == "mmlu-0" else r
-    )
+    for name in ("samples.jsonl", "requests.jsonl"):  # a coherent run over another sample
+        edit_jsonl(cand / "kv" / name, lambda r: {**r, "sample_id": "mmlu-99"} if r["sample_id"] == "mmlu-0" else r)
 
 
 def _corrupt(cand):

@@ -112,7 +112,10 @@ def test_fullshared_differs_with_other_prefix(engine):
     a = engine.run(ra, m)
     b = engine.run(rb, m, sources={"q": a.materialized["q"]}, fidelity=True)
     assert b.segments[1].kv_rel_error > 1e-3
-    assert b.fidelity["first_token_kl"] >= 0.0
+    dense = engine.dense_logits(rb.prompt_ids)[-1].double()
+    p, q = torch.softmax(dense, -1), torch.softmax(b.first_logits.double(), -1)
+    kl = float((p * (p.log() - q.log())).sum())  # KL(dense || method), by hand
+    assert kl > 1e-8 and b.fidelity["first_token_kl"] == pytest.approx(kl, rel=1e-3, abs=1e-9)
     n = engine.run(rb, get_method("nonshared"), sources={"q": a.materialized["q"]}, fidelity=True)
     assert n.segments[1].kv_rel_error < 1e-6 and n.fidelity["first_token_kl"] < 1e-6
 

@@ -291,7 +291,8 @@ def test_reuse_ratio_of_a_hand_built_three_agent_case(engine):
     _seed_anchor(m, "q", q, ["A", "B", "C"])
     _seed_anchor(m, "r", r, ["A", "B", "C"])
     res = _three(engine, m, q, r, chained=False)
-    assert _rho(res, L) == 1.0 and all(x.reference_tokens >= 0 for x in res)
+    # the first request prefills the context-free references of q (15) and r (7), the others reuse them
+    assert _rho(res, L) == 1.0 and [x.reference_tokens for x in res] == [22, 0, 0]
 
 
 def test_fidelity_counts_every_shared_segment_and_per_layer():
@@ -313,6 +314,38 @@ def test_fidelity_counts_every_shared_segment_and_per_layer():
     assert f["per_layer"] == pytest.approx([0.1, 0.2, 0.3])
     assert f["by_status"] == pytest.approx({"corrected": 0.3, "exact": 0.0})
     assert f["top1_agree"] == 0.5 and f["segments"] == 3
+
+
+def test_summary_figures_carry_their_uncertainty_under_one_name_each():
+    from kvcmas_bench.results.request import SegmentRecord
+    from kvcmas_bench.results.summary import summarize
+
+    def rec(sid, step, ttft, err, top1):
+        seg = SegmentRecord("PH", 4, status="exact" if err == 0 else "reused", kv_rel_error=err)
+        return RequestRecord(f"a{step}", ttft, 2 * ttft, sample_id=sid, step=step, node=f"n{step}", layers=2,
+                             segments=[seg], top1_agree=top1, first_token_kl=0.1, method_state_bytes=100 * step,
+                             peak_mem_bytes=7, kv_state_bytes=9)  # fmt: skip
+
+    samples = [{"sample_id": f"s{i}", "correct": c, "latency_s": 1.0 + i} for i, c in enumerate([1, 1, 0, 1])]
+    reqs = [
+        rec(f"s{i}", step, 0.1 * (i + 1), 0.0 if step == 0 else 0.2, step == 0) for i in range(4) for step in (0, 1)
+    ]
+    s = summarize(samples, reqs, {"method": "m"})
+    # accuracy 3/4: SE sqrt(0.75 * 0.25 / 4) = 0.2165; Wilson 95% roots of (0.75 - x)^2 = z^2 x (1 - x) / 4
+    assert s["accuracy"] == 0.75 and s["accuracy_se"] == pytest.approx(0.216506, abs=1e-6)
+    assert (s["accuracy_ci_low"], s["accuracy_ci_high"]) == pytest.approx((0.300642, 0.954413), abs=1e-6)
+    assert s["latency_s"] == pytest.approx(2.5) and s["latency_s_p50"] == pytest.approx(2.5)
+    ttfts = [0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4, 0.4]
+    assert s["ttft_s"] == pytest.approx(0.25) and s["ttft_s_p50"] == pytest.approx(0.25)
+    assert s["ttft_s_p90"] == pytest.approx(0.4)  # linear: position 0.9 * 7 = 6.3 between 0.4 and 0.4
+    assert s["e2e_s"] == pytest.approx(2 * sum(ttfts) / 8)
+    assert s["method_state_bytes"] == 100 and s["peak_mem_bytes"] == 7 and s["kv_state_peak_bytes"] == 9
+    f = s["fidelity"]
+    assert f["kv_rel_error"] == pytest.approx(0.1)  # (4 exact segments at 0 + 4 at 0.2) / 8
+    assert f["top1_agree"] == 0.5 and f["top1_agree_se"] == pytest.approx((0.25 / 8) ** 0.5)
+    assert f["first_token_kl"] == pytest.approx(0.1) and f["segments"] == 8
+    for old in ("method_state_peak_bytes", "ttft_p90_s", "ttft_p50_s", "kv_rel_error", "top1_agree"):
+        assert old not in s, old  # one name per figure; fidelity figures under "fidelity" only
 
 
 # ---- where the TTFT boundary falls --------------------------------------------------------------

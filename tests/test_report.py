@@ -13,8 +13,8 @@ from rich.console import Console
 from kvcmas_bench.errors import BenchError
 from kvcmas_bench.jobs.report import build_report, console_table1
 from kvcmas_bench.report.plots import frontier, pareto_axes, rho_axes
-from kvcmas_bench.report.tables import reference_for, request_agreement, sample_agreement, table1
-from kvcmas_bench.results.frames import dir_kind, load_dirs
+from kvcmas_bench.report.tables import mark_best, reference_for, request_agreement, sample_agreement, table1
+from kvcmas_bench.results.frames import dir_kind, load_dirs, read_jsonl
 
 from .conftest import run_cli
 from .synthetic import make_matrix, make_run, make_sweep
@@ -58,13 +58,169 @@ def test_table1_figures_and_marks(t1):
     assert t1.loc["fullshared", "reuse_ratio"] == pytest.approx(1.0)
     assert t1.loc["kvcmas", "latency_s"] == pytest.approx(1.2) and t1.loc["kvcmas", "ttft_s"] == pytest.approx(0.12)
     assert t1.loc["kvcmas", "method_state_bytes"] == 4 * 2**20
-    assert t1.loc["kvcmas", "kv_rel_error"] == pytest.approx(0.08)  # the mean over every reused shared segment
-    # best and second-best accuracy among the sharing methods (NonShared is never marked)
-    assert t1.loc["kvcmas", "acc_mark"] == "best"
-    assert t1.loc["cacheblend rho=0.5", "acc_mark"] == "second"
-    assert t1.loc["nonshared", "acc_mark"] == "" and t1.loc["fullshared", "acc_mark"] == ""
+    assert t1.loc["kvcmas", "kv_rel_error"] == pytest.approx(0.08)  # the one shared segment per sample
+    # accuracy 5/6: binomial SE sqrt(5/6 * 1/6 / 6) and the Wilson interval (roots solved by hand)
+    assert t1.loc["kvcmas", "accuracy_se"] == pytest.approx(0.152145, abs=1e-6)
+    assert t1.loc["kvcmas", "accuracy_ci_low"] == pytest.approx(0.436497, abs=1e-6)
+    assert t1.loc["kvcmas", "accuracy_ci_high"] == pytest.approx(0.969947, abs=1e-6)
+    # answer agreement 5/6 and first-token agreement 11/12 carry theirs too
+    assert t1.loc["kvcmas", "answer_agreement_ci_low"] == pytest.approx(0.436497, abs=1e-6)
+    assert t1.loc["kvcmas", "first_token_agreement_se"] == pytest.approx((11 / 12 / 12 / 12) ** 0.5)
+    assert t1.loc["kvcmas", "first_token_agreement_ci_low"] == pytest.approx(0.646120, abs=1e-6)
+    # against NonShared on the same samples: KVCMAS right on mmlu-5 where NonShared is wrong (b=1, c=0):
+    # p = 2 * 0.5 = 1; FullShared wrong on mmlu-1, mmlu-2 where NonShared is right (b=0, c=2): p = 2 * 0.25
+    assert t1.loc["kvcmas", "accuracy_delta"] == pytest.approx(1 / 6)
+    assert (t1.loc["kvcmas", "mcnemar_b"], t1.loc["kvcmas", "mcnemar_c"], t1.loc["kvcmas", "mcnemar_p"]) == (1, 0, 1)
+    assert t1.loc["fullshared", "accuracy_delta"] == pytest.approx(-2 / 6)
+    assert t1.loc["fullshared", "mcnemar_p"] == pytest.approx(0.5)
+    assert pd.isna(t1.loc["nonshared", "mcnemar_p"])
+    # 6 samples separate nothing: the best (5/6) is not significantly above FullShared (2/6: b=3, c=0,
+    # p = 0.25), so every sharing method ties for the best and nothing is marked best or second
+    for label in ("fullshared", "kvcmas", "cacheblend rho=0.5", "cacheblend rho=0.9"):
+        assert t1.loc[label, "acc_mark"] == "tied", label
+    assert t1.loc["nonshared", "acc_mark"] == ""  # NonShared is never marked
+    assert set(t1["n"]) == {6} and set(t1["sample_scope"]) == {"all"}
     # rows: NonShared, FullShared first
     assert list(t1.index[:2]) == ["nonshared", "fullshared"]
+
+
+def test_mark_rule_needs_significance_against_every_other_method():
+    right, wrong = True, False
+    # 6 of 6 against 0 of 6: b = 6, c = 0, p = 2 * 0.5**6 = 0.03125 < 0.05: best, and the other second
+    assert mark_best({"a": [right] * 6, "b": [wrong] * 6}) == {"a": "best", "b": "second"}
+    # 5 discordant pairs only: p = 0.0625: they tie
+    assert mark_best({"a": [right] * 5 + [wrong], "b": [wrong] * 6}) == {"a": "tied", "b": "tied"}
+    # a beats c (p = 0.03125) but not b (5 discordant, p = 0.0625): a and b tie, c unmarked
+    outcomes = {
+        "c": [wrong] * 6 + [right] * 4,
+        "a": [right] * 10,
+        "b": [right] + [wrong] * 5 + [right] * 4,
+    }
+    assert mark_best(outcomes) == {"a": "tied", "b": "tied"}
+    # a beats both (6 discordant each), b and c equal below it (b = c, p = 1): a best, no second
+    outcomes = {"a": [right] * 12, "b": [right] * 6 + [wrong] * 6, "c": [wrong] * 6 + [right] * 6}
+    assert mark_best(outcomes) == {"a": "best", "b": "tied-second", "c": "tied-second"}
+    # a stricter level separates nothing; fewer than two methods: no marks
+    assert mark_best({"a": [right] * 6, "b": [wrong] * 6}, alpha=0.01) == {"a": "tied", "b": "tied"}
+    assert mark_best({"a": [right] * 6}) == {}
+
+
+def test_best_mark_where_the_difference_is_significant(tmp_path):
+    ns = make_run(tmp_path / "ns", "nonshared", ["A", "B", "C", "D", "A", "B"])  # 6/6
+    kv = make_run(tmp_path / "kv", "kvcmas", ["A", "B", "C", "D", "A", "B"])  # 6/6
+    fs = make_run(tmp_path / "fs", "fullshared", ["B", "C", "D", "A", "B", "C"])  # 0/6
+    res = build_report([ns, kv, fs], tmp_path / "rep", ["md", "html"], plots=False)
+    t = res.table1.set_index("label")
+    assert t.loc["kvcmas", "acc_mark"] == "best" and t.loc["fullshared", "acc_mark"] == "second"
+    assert t.loc["fullshared", "mcnemar_p"] == pytest.approx(2 * 0.5**6)
+    md, html = (tmp_path / "rep" / "report.md").read_text(), (tmp_path / "rep" / "report.html").read_text()
+    # 6/6: Wilson [6 / (6 + z^2), 1] = [0.610, 1]; 0/6: [0, z^2 / (6 + z^2)] = [0, 0.390]
+    assert "**1.000 ± 0.000 [0.610, 1.000]**" in md and "_0.000 ± 0.000 [0.000, 0.390]_" in md
+    assert "<b>1.000 ± 0.000 [0.610, 1.000]</b>" in html
+    assert "exact McNemar p < 0.05 against each" in md
+
+
+def test_table1_compares_only_the_samples_every_run_finished(tmp_path, capsys):
+    ns = make_run(tmp_path / "ns", "nonshared", ["A", "B", "C", "D", "B", "A"])  # 4/6; 4/4 on mmlu-0..3
+    kv = make_run(tmp_path / "kv", "kvcmas", ["A", "B", "C", "D", "B", "B"], first_tokens=[(7, 8)] * 5 + [(7, 9)])
+    fs = make_run(tmp_path / "fs", "fullshared", ["A", "C", "D", "D"])  # stopped after 4 samples: 2/4
+    res = build_report([ns, kv, fs], tmp_path / "rep", ["md", "csv"], plots=False)
+    t = res.table1.set_index("label")
+    # every figure over mmlu-0..3, the samples all three finished; n is the common n
+    assert set(t["n"]) == {4} and set(t["sample_scope"]) == {"common"}
+    assert t.loc["nonshared", "n_finished"] == 6 and t.loc["fullshared", "n_finished"] == 4
+    assert t.loc["nonshared", "accuracy"] == 1.0 and t.loc["kvcmas", "accuracy"] == 1.0
+    assert t.loc["fullshared", "accuracy"] == pytest.approx(0.5)
+    # KVCMAS's one differing first token is on mmlu-5, outside the common samples
+    assert t.loc["kvcmas", "first_token_agreement"] == 1.0 and t.loc["kvcmas", "agreement_samples"] == 4
+    assert t.loc["kvcmas", "paired_samples"] == 4 and t.loc["kvcmas", "accuracy_delta"] == 0.0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "Table 1: mmlu (tiny-model on cpu; n = 4)" in md
+    assert "Compared over the 4 samples every run of this table finished" in md
+    assert "nonshared 6, kvcmas 6" in md
+    assert list(pd.read_csv(tmp_path / "rep" / "table1.csv")["n"]) == [4, 4, 4]
+
+
+def test_runs_sharing_no_sample_are_each_over_their_own_and_unmarked(tmp_path):
+    a = make_run(tmp_path / "a", "kvcmas", ["A", "B", "C", "D", "A", "B"])
+    b = make_run(tmp_path / "b", "fullshared", ["B", "C", "D", "A", "B", "C"])
+    rows = [json.loads(line) for line in (b / "samples.jsonl").read_text().splitlines()]
+    reqs = read_jsonl(b / "requests.jsonl")
+    for r in [*rows, *reqs]:
+        r["sample_id"] = r["sample_id"].replace("mmlu-", "mmlu-1")
+    (b / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (b / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    res = build_report([a, b], tmp_path / "rep", ["md"], plots=False)
+    t = res.table1.set_index("label")
+    assert set(t["sample_scope"]) == {"own"} and set(t["n"]) == {6} and set(t["acc_mark"]) == {""}
+    assert t.loc["kvcmas", "accuracy"] == 1.0 and t.loc["fullshared", "accuracy"] == 0.0
+    assert "share no finished sample" in (tmp_path / "rep" / "report.md").read_text()
+
+
+def test_summary_and_table1_take_every_figure_from_one_definition(tmp_path):
+    """The KV error counts every shared segment, an exactly prefilled one as 0 (summary.json's
+    definition): the dense first agent's exact segment (error 0) and the reused one (0.1 * rho)."""
+    from kvcmas_bench.results.request import RequestRecord
+    from kvcmas_bench.results.summary import summarize
+
+    d = make_run(tmp_path / "kv", "kvcmas", ["A", "B", "C", "D", "B", "B"], rho=0.8, fidelity=True, state=2**20)
+    reqs = read_jsonl(d / "requests.jsonl")
+    for r in reqs:
+        if r["step"] == 0:
+            r["segments"] = [{"kind": "PH", "tokens": 10, "status": "exact", "slot": "q", "kv_rel_error": 0.0}]
+    (d / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    samples = read_jsonl(d / "samples.jsonl")
+    summary = summarize(samples, [RequestRecord.from_dict(r) for r in reqs], {"method": "kvcmas"})
+    (d / "summary.json").write_text(json.dumps(summary))
+    row = table1(load_dirs([d])).iloc[0]
+    assert summary["fidelity"]["kv_rel_error"] == pytest.approx((0.0 + 0.08) / 2)  # not 0.08: the exact one counts
+    assert row["kv_rel_error"] == summary["fidelity"]["kv_rel_error"]
+    for key in (
+        "n",
+        "accuracy",
+        "accuracy_se",
+        "accuracy_ci_low",
+        "accuracy_ci_high",
+        "latency_s",
+        "ttft_s",
+        "ttft_s_p50",
+        "ttft_s_p90",
+        "e2e_s",
+        "peak_mem_bytes",
+        "kv_state_peak_bytes",
+        "method_state_bytes",
+        "reuse_ratio",
+    ):
+        assert row[key] == summary[key], key
+    for key in ("top1_agree", "top1_agree_se", "top1_agree_ci_low", "first_token_kl"):
+        assert row[key] == summary["fidelity"][key], key
+    assert summary["method_state_bytes"] == 2**20 and summary["ttft_s_p90"] == pytest.approx(0.1)
+    assert "method_state_peak_bytes" not in summary and "ttft_p90_s" not in row
+    # the runs frame (summary.json, flattened) carries the same figure under the same name
+    runs = load_dirs([d]).runs_frame()
+    assert runs["summary_fidelity_kv_rel_error"].iloc[0] == row["kv_rel_error"]
+    assert runs["summary_accuracy_ci_high"].iloc[0] == row["accuracy_ci_high"]
+
+
+def test_accuracy_across_repeats(tmp_path):
+    """Three seeds of NonShared and KVCMAS: one Table 1 per seed, and mean and standard deviation
+    (divisor n - 1) of each method's accuracy across them."""
+    dirs = []
+    kv_preds = (["A", "B", "C", "D", "B", "B"], ["A", "B", "C", "C", "B", "B"], ["A", "B", "A", "A", "B", "B"])
+    for seed, preds in enumerate(kv_preds):  # KVCMAS 5/6, 4/6, 3/6
+        dirs.append(make_run(tmp_path / f"ns{seed}", "nonshared", ["A", "B", "C", "D", "B", "A"], seed=seed))
+        dirs.append(make_run(tmp_path / f"kv{seed}", "kvcmas", preds, seed=seed))
+    res = build_report(dirs, tmp_path / "rep", ["md", "csv"], plots=False)
+    assert list(dict.fromkeys(res.table1["table"])) == ["mmlu, seed=0", "mmlu, seed=1", "mmlu, seed=2"]
+    rep = res.repeats.set_index("label")
+    assert rep.loc["kvcmas", "repeats"] == 3 and rep.loc["kvcmas", "seeds"] == "0,1,2"
+    assert rep.loc["kvcmas", "accuracy_mean"] == pytest.approx(4 / 6)
+    assert rep.loc["kvcmas", "accuracy_std"] == pytest.approx(1 / 6)  # sqrt(((1/6)^2 + 0 + (1/6)^2) / 2)
+    assert rep.loc["nonshared", "accuracy_mean"] == pytest.approx(4 / 6) and rep.loc["nonshared", "accuracy_std"] == 0
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "## Accuracy across repeats: mmlu" in md and "| kvcmas | 3 | 0,1,2 | 6 | 0.667 | 0.167 |" in md
+    assert "Table 1: mmlu, seed=2" in md
+    assert len(pd.read_csv(tmp_path / "rep" / "repeats.csv")) == 2
 
 
 def test_agreement_with_nonshared(matrix, t1):
@@ -100,6 +256,10 @@ def test_pareto_plot_holds_points_frontier_region_and_clamped_outlier(t1):
     points = _gids(ax, "point:")
     assert set(points) == {"nonshared", "fullshared", "kvcmas", "cacheblend rho=0.9"}
     assert tuple(points["kvcmas"].get_offsets()[0]) == pytest.approx((1.2, 5 / 6))
+    # accuracy 5/6 with its 95% Wilson interval as an error bar
+    bar = _gids(ax, "ci:")["kvcmas"]
+    assert list(bar.get_xdata()) == pytest.approx([1.2, 1.2])
+    assert list(bar.get_ydata()) == pytest.approx([0.436497, 0.969947], abs=1e-6)
     # frontier (min latency, max accuracy): FullShared then KVCMAS; NonShared and CacheBlend dominated
     (line,) = [a for a in ax.get_lines() if a.get_gid() == "frontier"]
     assert list(line.get_xdata()) == pytest.approx([1.0, 1.2])
@@ -176,7 +336,14 @@ def test_report_writes_every_table_and_figure(matrix, tmp_path):
         for label in ("nonshared", "fullshared", "kvcmas", "cacheblend rho=0.5", "cacheblend rho=0.9"):
             assert f">{label}<" in text or f"| {label} |" in text
         assert "agree w/ NonShared" in text and "saturated" in text and "KV rel. error" in text
-    assert "<b>0.833</b>" in html and "**0.833**" in md
+    # 6 samples separate no method: no mark, the tie said in words
+    assert "<b>" not in html.split("<h2>Figures")[0] and "**" not in md
+    for text in (html, md):
+        assert "tie for the best accuracy" in text and "0.833 ± 0.152 [0.436, 0.970]" in text
+    t1 = pd.read_csv(out / "table1.csv")
+    for col in ("accuracy_se", "accuracy_ci_low", "accuracy_ci_high", "answer_agreement_se", "mcnemar_p"):
+        assert col in t1 and t1[col].notna().any(), col
+    assert set(pd.read_parquet(out / "table1.parquet").columns) == set(t1.columns)
     for name in ("table1", "runs", "samples", "requests", "agreement", "sweeps"):
         assert len(pd.read_csv(out / f"{name}.csv")) > 0
         assert len(pd.read_parquet(out / f"{name}.parquet")) > 0

@@ -55,6 +55,7 @@ def args(model: str, out, *extra: str) -> list[str]:
         (["--limit", "0"], "--limit"),
         (["--format", "pdf"], "--format"),
         (["--device", "tpu"], "--device"),
+        (["--repeats", "0"], "--repeats"),
     ],
 )
 def test_everything_is_checked_before_a_model_loads(tmp_path, monkeypatch, capsys, extra, needle):
@@ -102,6 +103,9 @@ def test_suite_resumes_after_an_interrupt_without_redoing_finished_cells(tiny_mo
     assert (out / "mmlu" / "nonshared" / "samples.jsonl").read_bytes() == ns_samples
     manifest = json.loads((out / "suite.json").read_text())
     assert {c["status"] for c in manifest["cells"].values()} == {"done"}
+    assert "repeats" not in manifest["settings"]  # the default --repeats 1: the manifest of before
+    assert all(set(c) == {"workload", "method", "path", "status", "error", "run_options", "n", "accuracy"}
+               for c in manifest["cells"].values())  # fmt: skip
     assert (out / "report" / "report.md").exists() and (out / "report" / "report.html").exists()
 
     calls.update(one=0, prepare=0)
@@ -109,6 +113,34 @@ def test_suite_resumes_after_an_interrupt_without_redoing_finished_cells(tiny_mo
     assert calls == {"one": 0, "prepare": 0}
     # the same directory with other settings is refused
     assert run_cli([*cmd[:-4], "--seed", "3", *cmd[-4:]]) == 2
+
+
+def test_repeats_run_every_cell_at_successive_seeds_and_resume(tiny_model_dir, tmp_path, monkeypatch):
+    out = tmp_path / "suite"
+    cmd = args(tiny_model_dir, out, "--methods", "fullshared", "--seed", "5", "--repeats", "2")
+    assert run_cli(cmd) == 0
+    manifest = json.loads((out / "suite.json").read_text())
+    # repeat 0 is the ordinary cell (seed 5), repeat 1 lies under repeat-1/ (seed 6)
+    assert list(manifest["cells"]) == [
+        "mmlu/nonshared",
+        "mmlu/fullshared",
+        "repeat-1/mmlu/nonshared",
+        "repeat-1/mmlu/fullshared",
+    ]
+    assert {c["status"] for c in manifest["cells"].values()} == {"done"} and manifest["settings"]["repeats"] == 2
+    for cell, seed in (("mmlu/fullshared", 5), ("repeat-1/mmlu/fullshared", 6), ("repeat-1/mmlu/nonshared", 6)):
+        assert json.loads((out / cell / "config.json").read_text())["seed"] == seed, cell
+    md = (out / "report" / "report.md").read_text()
+    assert "## Accuracy across repeats: mmlu" in md and "Table 1: mmlu, seed=6" in md
+    assert "| fullshared | 2 | 5,6 | 2 |" in md
+
+    # resumed: nothing runs again; one more repeat runs only its own cells
+    real = runner.prepare
+    calls = []
+    monkeypatch.setattr(runner, "prepare", lambda opts: calls.append(opts.seed) or real(opts))
+    assert run_cli(cmd) == 0 and calls == []
+    assert run_cli([*cmd[:-1], "3"]) == 0 and calls == [7, 7]
+    assert (out / "repeat-2" / "mmlu" / "nonshared" / "samples.jsonl").exists()
 
 
 def test_a_failing_cell_is_recorded_and_the_others_run(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -1,7 +1,7 @@
 """The ``compare`` job: a candidate run, suite or sweep directory against a baseline, for CI.
 
-Runs are matched by workload and method (by method options too when a side has several runs of a
-method). Inputs are **unusable** (exit 2) when a directory is missing or corrupt, when a
+Runs are matched by workload and method (by method options, then by seed, when a side has several
+runs of a method). Inputs are **unusable** (exit 2) when a directory is missing or corrupt, when a
 baseline run has no counterpart, or when a pair is incomparable: a different model, seed,
 sample set or workload setting (token budgets, topology, dtype, ...); sweeps: a different model,
 seed or traces.
@@ -11,6 +11,10 @@ Checks per matched pair (exit 1 when one fails):
 - deterministic metrics (accuracy, agreement with NonShared, first-token agreement, rho, method
   state bytes) against thresholds, with no noise allowance: ``--max-accuracy-drop``,
   ``--max-agreement-drop``, ``--max-rho-drop``, ``--max-memory-increase`` (default: no drop / 10%);
+- with ``--significance ALPHA``, an accuracy drop beyond ``--max-accuracy-drop`` counts only when
+  it is significant: the exact McNemar test (two-sided binomial test with p = 1/2 on the samples
+  exactly one side gets right) gives p < ALPHA. The samples always pair up: a pair with different
+  sample sets is refused above as incomparable, so no unpaired (two-proportion) test is needed;
 - timings (TTFT; sweeps: TTFT p50/p90) and the measured peak memory as ratios candidate/baseline
   with a noise allowance: the candidate may reach ``(baseline + allowed) * (1 + noise)``; skipped
   when the hardware differs (device, GPU, CPU count) or with ``--no-timings``.
@@ -37,6 +41,7 @@ from ..errors import BenchError
 from ..report.columns import cell
 from ..report.tables import table1
 from ..results.frames import SETTING_KEYS, Results, Run, Sweep, dir_kind, load_dirs, load_sweep, read_jsonl
+from ..results.stats import discordant, mcnemar_exact
 
 #: config keys that must also match for the value-by-value (exact) comparison of a run pair
 EXACT_KEYS = ("method_config", "fidelity", "device", "target_reuse", "calibration_samples")
@@ -105,6 +110,13 @@ class Limits:
     noise: float = 0.25
     timings: bool = True
     exact: bool = False
+    #: with a level ALPHA: an accuracy drop counts only when the exact McNemar p is below it
+    significance: float | None = None
+
+    def validate(self) -> None:
+        a = self.significance
+        if a is not None and (math.isnan(a) or not 0 < a < 1):
+            raise BenchError(f"--significance takes a level between 0 and 1 (such as 0.05); got {a!r}")
 
 
 @dataclass
@@ -130,7 +142,8 @@ class Check:
     def line(self) -> str:
         unit = {"s": " s", "MiB": " MiB"}.get(self.kind, "")
         b, c = cell(self.baseline, self.kind), cell(self.candidate, self.kind)
-        return f"{self.scope} {self.metric} {b} -> {c}{unit} ({self.change}; allowed: {self.allowed})"
+        note = f"; {self.note}" if self.note and self.status != "skipped" else ""
+        return f"{self.scope} {self.metric} {b} -> {c}{unit} ({self.change}; allowed: {self.allowed}{note})"
 
 
 @dataclass
@@ -194,6 +207,23 @@ def increase_check(scope: str, metric: str, b, c, thr: Threshold, noise: float, 
     return Check(scope, metric, b, c, text, "ok" if ok else "FAIL", kind)
 
 
+def significance_check(check: Check, b: Run, c: Run, alpha: float | None) -> Check:
+    """An accuracy check that failed stands only when the exact McNemar test on the paired samples
+    gives p < ``alpha``; otherwise it passes, the p-value in its note (``alpha`` None: unchanged)."""
+    if alpha is None or check.status == "skipped":
+        return check
+    ids = sorted(b.sample_ids & c.sample_ids)
+    sb, sc = b.samples.set_index("sample_id")["correct"], c.samples.set_index("sample_id")["correct"]
+    worse, better = discordant([bool(sb[i]) for i in ids], [bool(sc[i]) for i in ids])
+    p = mcnemar_exact(worse, better)
+    check.allowed += f" unless McNemar p >= {alpha:g}"
+    check.note = f"McNemar p = {p:.3g} (of {len(ids)} paired samples, {worse} lost, {better} gained)"
+    if check.status == "FAIL" and p >= alpha:
+        check.status = "ok"
+        check.note = "not significant: " + check.note
+    return check
+
+
 def hardware(config: dict) -> tuple:
     hw = config.get("hardware") or {}
     return (config.get("device"), hw.get("gpu"), hw.get("cpu_count"))
@@ -243,6 +273,8 @@ def match_runs(base: list[Run], cand: list[Run]) -> list[tuple[Run, Run]]:
         twins = [r for r in base if (r.workload, r.method) == (b.workload, b.method)]
         if len(same) != 1 or len(twins) != 1:
             same = [c for c in same if c.config.get("method_config") == b.config.get("method_config")]
+        if len(same) > 1:  # repeats of one configuration (suite --repeats): told apart by the seed
+            same = [c for c in same if c.config.get("seed") == b.config.get("seed")]
         if len(same) != 1:
             what = "no run" if not same else "several runs"
             raise BenchError(f"incomparable: the candidate has {what} of {b.workload}/{b.label} (baseline {b.path})")
@@ -278,7 +310,8 @@ def compare_runs(base_dir: str, cand_dir: str, lim: Limits) -> Comparison:
     pairs = match_runs(base.runs, cand.runs)
     for b, c in pairs:
         check_comparable(b, c)
-    tb, tc = table1(base).set_index("run_id"), table1(cand).set_index("run_id")
+    # every run over all its own samples: the pairs are compared sample for sample (same sample sets)
+    tb, tc = table1(base, common=False).set_index("run_id"), table1(cand, common=False).set_index("run_id")
     cmp = Comparison(base_dir, cand_dir, "run", len(pairs), exact=lim.exact)
     extra = {c.run_id for c in cand.runs} - {c.run_id for _, c in pairs}
     if extra:
@@ -286,9 +319,11 @@ def compare_runs(base_dir: str, cand_dir: str, lim: Limits) -> Comparison:
     for b, c in pairs:
         scope = f"{b.workload}/{b.label}"
         same_hw = hardware(b.config) == hardware(c.config)
-        cmp.checks += run_checks(
-            scope, tb.loc[b.run_id].to_dict(), tc.loc[c.run_id].to_dict(), lim, lim.timings and same_hw
-        )
+        checks = run_checks(scope, tb.loc[b.run_id].to_dict(), tc.loc[c.run_id].to_dict(), lim, lim.timings and same_hw)
+        checks[0] = significance_check(checks[0], b, c, lim.significance)  # the accuracy check
+        if checks[0].note.startswith("not significant"):
+            cmp.notes.append(f"{scope}: accuracy {checks[0].change}, {checks[0].note}: not a regression")
+        cmp.checks += checks
         if lim.timings and not same_hw:
             cmp.notes.append(
                 f"{scope}: timings not compared, hardware differs ({hardware(b.config)} vs {hardware(c.config)})"
@@ -450,6 +485,7 @@ def sweep_differences(b: Sweep, c: Sweep) -> list[str]:
 def compare(baseline: str, candidate: str, limits: Limits | None = None) -> Comparison:
     """Compare two run/suite directories or two sweep directories (BenchError: unusable input)."""
     lim = limits or Limits()
+    lim.validate()
     kb, kc = dir_kind(baseline), dir_kind(candidate)
     if (kb == "sweep") != (kc == "sweep"):
         raise BenchError(f"incomparable: the baseline is a {kb} directory and the candidate a {kc} directory")
@@ -491,7 +527,9 @@ def _md_check(c: Check) -> str:
     status = {"FAIL": "**FAIL**", "skipped": f"skipped ({c.note})"}.get(c.status, c.status)
     return (
         f"| {status} | {c.scope} | {c.metric} | {cell(c.baseline, c.kind)}{unit} | "
-        f"{cell(c.candidate, c.kind)}{unit} | {c.change} | {c.allowed} |"
+        f"{cell(c.candidate, c.kind)}{unit} | {c.change} | {c.allowed}"
+        + (f" ({c.note})" if c.note and c.status != "skipped" else "")
+        + " |"
     )
 
 

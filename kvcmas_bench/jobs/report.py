@@ -2,11 +2,17 @@
 
 Output directory: ``report.md`` and ``report.html`` (one self-contained page), ``figures/`` (PNG and
 SVG of every figure), and with ``csv``/``parquet`` the tidy frames: ``table1``, ``runs``,
-``samples``, ``requests``, ``agreement`` (per sample, against NonShared) and ``sweeps``.
+``samples``, ``requests``, ``agreement`` (per sample, against NonShared), ``repeats`` (accuracy
+across seeds, when a configuration ran at several) and ``sweeps``.
+
+Table 1 is one table per comparison group (runs of one workload with the same settings), over the
+samples every run of the group finished; see :mod:`kvcmas_bench.report.tables` for the
+uncertainty of its proportions and the rule of the best / second-best marks.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,15 +22,37 @@ from rich.console import Console
 
 from ..console import SWEEP_COLUMNS, fitted_table, print_sweep_table, saturation_note
 from ..errors import BenchError
-from ..report.columns import Column
+from ..report.columns import Column, cell
 from ..report.render import MARK_NOTE, Document, Section, markdown, to_html
-from ..report.tables import agreement_frame, table1, visible_columns
+from ..report.tables import (
+    MARK_ALPHA,
+    agreement_frame,
+    repeats_frame,
+    section_rows,
+    table1,
+    visible_columns,
+)
 from ..results.frames import Results, load_dirs
 from ..serving.metrics import DEFINITIONS as SWEEP_DEFINITIONS
 
 FORMATS = ("md", "html", "csv", "parquet")
 DEFINITIONS = [
+    "Table 1 compares the runs of one workload with the same settings (model, seed, token budgets, ...) over "
+    "the samples every one of them finished: n is that common count, and every figure of the table (accuracy, "
+    "agreement, latency, memory, rho, fidelity) is over those samples and their requests.",
     "accuracy: share of samples whose final answer the workload scores correct.",
+    "± SE [95% CI] (accuracy, both agreements, top-1 agree): the binomial standard error sqrt(p(1-p)/n) "
+    "(divisor n; n samples, or requests for the first-token and top-1 figures, counted as independent) and "
+    "the 95% Wilson score interval.",
+    "acc. - NonShared: accuracy minus NonShared's on the same samples; McNemar p: the exact two-sided McNemar "
+    "test of that difference (a binomial test with p = 1/2 on the samples exactly one of the two gets right).",
+    f"best / second-best marks: among the sharing methods of a table, the highest accuracy is marked best only "
+    f"when the exact McNemar test on the common samples finds it higher than every other sharing method's "
+    f"(p < {MARK_ALPHA:g} against each); the runner-up is marked second by the same rule against every method "
+    "below it. Otherwise the methods not significantly different from the top (or the runner-up) tie and are "
+    "named in a note under the table.",
+    "accuracy across repeats: mean and sample standard deviation (divisor n - 1) of a configuration's Table 1 "
+    "accuracy at each seed (suite --repeats).",
     "agree w/ NonShared: share of common samples whose final answer equals NonShared's on the same sample "
     "(HumanEval: the final output); first-token agree: share of common requests (sample, step) whose first "
     "generated token equals NonShared's. NonShared's reference is itself.",
@@ -33,8 +61,10 @@ DEFINITIONS = [
     "peak mem: max over requests of the device peak (CUDA) or the process peak RSS (CPU), MiB.",
     "method state: max over requests of the method's own state (anchor pools, references, calibration tables), MiB.",
     "rho: (token, layer) entries served by reuse / reuse-eligible shared entries.",
-    "KV rel. error, top-1 agree, first-token KL (with --fidelity): against dense prefill; the KV error is the "
-    "mean over every shared segment reused from a source.",
+    "KV rel. error, top-1 agree, first-token KL (with --fidelity): against a full dense prefill of the same "
+    "prompt; the KV error is the mean over every shared segment of every request, the definition of "
+    "summary.json's fidelity.kv_rel_error. Table 1, summary.json and the exported frames take every figure from "
+    "one function (results.summary.run_figures), under the same names (ttft_s_p90, method_state_bytes, ...).",
 ]
 
 
@@ -43,6 +73,7 @@ class ReportResult:
     out_dir: Path
     results: Results
     table1: pd.DataFrame
+    repeats: pd.DataFrame = field(default_factory=pd.DataFrame)
     figures: list = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
 
@@ -67,7 +98,8 @@ def build_report(
         raise BenchError(f"no finished samples in {', '.join(map(str, dirs))}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    res = ReportResult(out, results, table1(results))
+    t1 = table1(results)
+    res = ReportResult(out, results, t1, repeats_frame(results, t1))
     if plots:
         res.figures = draw_figures(res, out / "figures")
     doc = document(res)
@@ -99,8 +131,8 @@ def draw_figures(res: ReportResult, fig_dir: Path) -> list:
 
     figs = []
     if not res.table1.empty:
-        for workload, g in res.table1.groupby("workload", sort=False):
-            figs += workload_figures(g, str(workload), fig_dir)
+        for table, g in res.table1.groupby("table", sort=False):
+            figs += workload_figures(g, str(table), fig_dir, _stem(str(table)))
     for s in res.results.sweeps:
         note = sweep_note({**s.summary, "model": s.config.get("model"), "device": s.config.get("device")})
         name = s.run_id.split(":", 1)[1]
@@ -108,22 +140,103 @@ def draw_figures(res: ReportResult, fig_dir: Path) -> list:
     return figs
 
 
+def _stem(table: str) -> str:
+    """A file stem for a table's figures: ``mmlu`` -> ``mmlu``, ``mmlu, seed=1`` -> ``mmlu-seed-1``."""
+    return re.sub(r"[^A-Za-z0-9._]+", "-", table).strip("-")
+
+
+UNCERTAINTY_NOTE = (
+    "accuracy and agreements: value ± binomial SE [95% Wilson interval]; acc. - NonShared: on the same "
+    "samples, with the exact McNemar p."
+)
+
+
+def samples_note(g: pd.DataFrame) -> str | None:
+    """What the table's figures are over, when its runs did not all finish the same samples."""
+    scope = g["sample_scope"].iloc[0]
+    if scope == "common":
+        more = ", ".join(f"{r.label} {r.n_finished}" for r in g.itertuples() if r.n_finished != r.n)
+        return (
+            f"Compared over the {int(g['n'].max())} samples every run of this table finished; the runs with "
+            f"more finished samples ({more}) are cut to those."
+        )
+    if scope == "own" and len(g) > 1:
+        each = ", ".join(f"{r.label} {r.n}" for r in g.itertuples())
+        return f"These runs share no finished sample: each row is over its own samples ({each}); nothing is marked."
+    return None
+
+
+def mark_notes(g: pd.DataFrame) -> list[str]:
+    """The ties of the best / second-best rule, named."""
+    n = int(g["n"].max()) if g["n"].notna().any() else 0
+    rule = f"exact McNemar, p < {MARK_ALPHA:g} on the {n} common samples"
+    out = []
+    tied = g[g["acc_mark"] == "tied"]["label"].tolist()
+    if tied:
+        out.append(
+            f"No sharing method's accuracy is significantly higher than every other's ({rule}): "
+            f"{', '.join(tied)} tie for the best accuracy; none is marked."
+        )
+    tied2 = g[g["acc_mark"] == "tied-second"]["label"].tolist()
+    if tied2:
+        out.append(f"Below the best, {', '.join(tied2)} tie for the second place ({rule}); none is marked second.")
+    return out
+
+
+def _tables(t1: pd.DataFrame) -> list[pd.DataFrame]:
+    """Table 1's rows per comparison group; in a table of one seed (``mmlu, seed=1``) the labels
+    without their ``seed=`` part (the title says it)."""
+    out = []
+    for table, g in t1.groupby("table", sort=False):
+        if ", seed=" in str(table):
+            g = g.assign(label=g["label"].map(lambda s: re.sub(r" seed=\S+", "", str(s))))
+        out.append(g)
+    return out
+
+
 def table1_sections(t1: pd.DataFrame) -> list[Section]:
-    """One Table 1 section per workload."""
+    """One Table 1 section per comparison group (a workload, or a workload at one seed / setting)."""
     sections = []
-    for workload, g in t1.groupby("workload", sort=False):
+    for g in _tables(t1):
+        table = g["table"].iloc[0]
         cols = visible_columns(g)
-        notes = []
+        notes = [n for n in [samples_note(g)] if n]
         if "answer_agreement" in g and g["answer_agreement"].notna().any():
             refs = sorted(set(g["reference"].dropna()))
             n = int(g["agreement_samples"].dropna().min())
             notes.append(f"Agreement reference: {', '.join(refs)} (at least {n} common samples per run).")
         else:
             notes.append("No NonShared run over the same samples among the inputs: agreement not reported.")
+        notes += mark_notes(g) + [UNCERTAINTY_NOTE]
         models = ", ".join(sorted({str(m) for m in g["model"]}))
         devices = ", ".join(sorted({str(d) for d in g["device"]}))
-        title = f"Table 1: {workload} ({models} on {devices}; n = {', '.join(sorted({str(x) for x in g['n']}))})"
-        sections.append(Section(title, cols, g.to_dict("records"), g["acc_mark"].tolist(), notes))
+        title = f"Table 1: {table} ({models} on {devices}; n = {', '.join(sorted({str(x) for x in g['n']}))})"
+        sections.append(Section(title, cols, section_rows(g), g["acc_mark"].tolist(), notes))
+    return sections
+
+
+REPEAT_COLUMNS = (
+    Column("label", "method", "text", 0, "left"),
+    Column("repeats", "repeats", "int", 0),
+    Column("seeds", "seeds", "text", 3),
+    Column("n_text", "n per repeat", "text", 2),
+    Column("accuracy_mean", "accuracy mean", "acc", 0),
+    Column("accuracy_std", "accuracy std", "acc", 0),
+)
+
+
+def repeats_sections(rep: pd.DataFrame) -> list[Section]:
+    """Accuracy across repeats (mean and standard deviation over seeds), one section per workload."""
+    sections = []
+    if rep.empty:
+        return sections
+    for workload, g in rep.groupby("workload", sort=False):
+        rows = [
+            {**r, "n_text": str(r["n_min"]) if r["n_min"] == r["n_max"] else f"{r['n_min']}-{r['n_max']}"}
+            for r in g.to_dict("records")
+        ]
+        note = "Per repeat, the accuracy of its own Table 1 (over that seed's common samples)."
+        sections.append(Section(f"Accuracy across repeats: {workload}", list(REPEAT_COLUMNS), rows, notes=[note]))
     return sections
 
 
@@ -169,6 +282,7 @@ def document(res: ReportResult) -> Document:
     results = res.results
     intro = [f"{kind}: {path}" for path, kind in results.inputs.items()]
     sections = table1_sections(res.table1) if not res.table1.empty else []
+    sections += repeats_sections(res.repeats)
     acc = accounting_section(results)
     sections += ([acc] if acc else []) + sweep_sections(results)
     definitions = list(DEFINITIONS)
@@ -188,6 +302,7 @@ def frames(res: ReportResult) -> dict[str, pd.DataFrame]:
         "samples": r.samples_frame(),
         "requests": r.requests_frame(),
         "agreement": agreement_frame(r),
+        "repeats": res.repeats,
         "sweeps": r.sweep_frame(),
     }
     return {k: v for k, v in out.items() if not v.empty}
@@ -215,17 +330,33 @@ def _parquet_safe(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+def _short_estimate(v) -> str:
+    """``0.833 ±0.152`` (the console's form of a proportion with its SE)."""
+    if not isinstance(v, (tuple, list)):
+        return cell(v, "est")
+    return cell(v[0], "est") + ("" if v[1] is None or pd.isna(v[1]) else f" ±{float(v[1]):.3f}")
+
+
 def console_table1(res: ReportResult, console: Console) -> None:
-    """Table 1 per workload, fitted to the console; accuracy marks as superscripts."""
-    for s in table1_sections(res.table1) if not res.table1.empty else []:
+    """Table 1 per comparison group, fitted to the console (accuracy marks as superscripts, ties
+    named in the caption), then the accuracy across repeats and the sweeps."""
+    more = str(res.out_dir / "report.md") if any(f.name == "report.md" for f in res.files) else "the report"
+    groups = _tables(res.table1) if not res.table1.empty else []
+    for g, s in zip(groups, table1_sections(res.table1) if groups else []):
         rows = []
         for row, mark in zip(s.rows, s.marks or []):
-            acc = "-" if pd.isna(row.get("accuracy")) else f"{row['accuracy']:.3f}"
-            acc = {"best": f"[bold]{acc}¹[/]", "second": f"{acc}²"}.get(mark, acc)
-            rows.append({**row, "accuracy": acc})
-        cols = [Column(c.key, c.header, "text", c.priority, c.justify) if c.key == "accuracy" else c for c in s.columns]
-        caption = MARK_NOTE["console"] if any(s.marks or []) else None
-        more = str(res.out_dir / "report.md") if any(f.name == "report.md" for f in res.files) else "the report"
+            row = {**row, **{c.key: _short_estimate(row.get(c.key)) for c in s.columns if c.kind == "est"}}
+            acc = row.get("accuracy", "-")
+            rows.append({**row, "accuracy": {"best": f"[bold]{acc}¹[/]", "second": f"{acc}²"}.get(mark, acc)})
+        # the console shows value ± SE; the intervals are in the report
+        cols = [
+            Column(c.key, c.header.replace(" [95% CI]", ""), "text", c.priority, c.justify) if c.kind == "est" else c
+            for c in s.columns
+        ]
+        marked = any(m in ("best", "second") for m in s.marks or [])
+        caption = "\n".join(([MARK_NOTE["console"]] if marked else []) + mark_notes(g)) or None
         console.print(fitted_table(console, s.title, cols, rows, caption, more))
+    for s in repeats_sections(res.repeats):
+        console.print(fitted_table(console, s.title, s.columns, s.rows, None, more))
     for sw in res.results.sweeps:
         print_sweep_table({**sw.summary, "device": sw.config.get("device")}, console)

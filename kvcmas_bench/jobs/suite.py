@@ -3,7 +3,11 @@ report over all of them at the end.
 
 Layout: ``DIR/suite.json`` (the manifest: settings, methods, workloads, and per cell its path,
 status, sample count and error), ``DIR/<workload>/<method>/`` (an ordinary ``run`` directory) and
-``DIR/report/`` (the ``report`` job over ``DIR``).
+``DIR/report/`` (the ``report`` job over ``DIR``). With ``--repeats N`` every cell runs N times:
+repeat r with seed ``--seed`` + r (another sample subset under ``--limit``, another sample order
+and calibration split); repeat 0 is the cell above, repeat r >= 1 is
+``DIR/repeat-<r>/<workload>/<method>/``. The report then has one Table 1 per seed and the mean and
+standard deviation of each method's accuracy across the repeats.
 
 Policy:
 
@@ -20,7 +24,8 @@ Policy:
 - Ctrl-C keeps every finished sample. The same command resumes: cells recorded as done (same
   sample count) are skipped without loading a model; the interrupted cell resumes at its first
   unfinished sample. A different ``--limit`` re-enters every cell (each resumes its samples);
-  different model, dtype, seed, token budgets, fidelity or method options are refused.
+  different model, dtype, seed, token budgets, fidelity or method options are refused. More
+  ``--repeats`` add cells (the repeats already done are kept).
 """
 
 from __future__ import annotations
@@ -69,9 +74,12 @@ class SuiteOptions:
     method_args: dict = field(default_factory=dict)
     report_formats: list[str] = field(default_factory=lambda: ["md", "html"])
     plots: bool = True
+    #: runs of every cell, repeat r with seed ``seed + r``
+    repeats: int = 1
 
     def settings(self) -> dict:
-        return json.loads(json.dumps({k: getattr(self, k) for k in (*STRICT_KEYS, "limit", "device")}))
+        keys = (*STRICT_KEYS, "limit", "device", *(("repeats",) if self.repeats != 1 else ()))
+        return json.loads(json.dumps({k: getattr(self, k) for k in keys}))
 
 
 @dataclass
@@ -80,10 +88,13 @@ class Cell:
     method: str
     #: samples the cell evaluates
     n: int
+    #: the repeat (seed offset); repeat 0 is the suite's own cell
+    repeat: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.workload}/{self.method}"
+        cell = f"{self.workload}/{self.method}"
+        return cell if self.repeat == 0 else f"repeat-{self.repeat}/{cell}"
 
 
 @dataclass
@@ -103,8 +114,8 @@ def run_options(opts: SuiteOptions, cell: Cell) -> RunOptions:
         workload=cell.workload,
         model=opts.model,
         limit=opts.limit,
-        output_path=str(Path(opts.output_path) / cell.workload / cell.method),
-        seed=opts.seed,
+        output_path=str(Path(opts.output_path) / cell.name),
+        seed=opts.seed + cell.repeat,
         device=opts.device,
         dtype=opts.dtype,
         max_new_tokens=opts.max_new_tokens,
@@ -119,6 +130,8 @@ def plan_suite(opts: SuiteOptions) -> list[Cell]:
     """Check everything and return the cells, NonShared first in each workload; no model is loaded."""
     from ..modeling import resolve_device, resolve_dtype
 
+    if isinstance(opts.repeats, bool) or not isinstance(opts.repeats, int) or opts.repeats < 1:
+        raise BenchError(f"--repeats must be a whole number >= 1, got {opts.repeats!r}")
     methods = expand_methods(opts.methods)
     methods = ["nonshared"] + [m for m in methods if m != "nonshared"]
     workloads = list(dict.fromkeys(opts.workloads))
@@ -127,19 +140,20 @@ def plan_suite(opts: SuiteOptions) -> list[Cell]:
     run_options(opts, Cell(workloads[0], methods[0], 0)).validate()  # job options: limit, token budgets...
     resolve_device(opts.device)
     resolve_dtype(opts.dtype)
-    cells = []
+    sizes = {}
     for w in workloads:
         workload = get_workload(w)
         specs = resolve_methods(methods, opts.method_args, workload)
         data = workload.load()
-        n = len(select_samples(data, opts.limit, opts.seed))
+        n = len(select_samples(data, opts.limit, opts.seed))  # the same for every seed
         if n == 0:
             raise BenchError(f"workload {w!r} has no samples")
         calibrating = [m for m, s in specs.items() if s.cls.needs_calibration]
         if calibrating and len(data) - n < 1:
             raise BenchError(f"{', '.join(calibrating)} need held-out calibration samples on {w}; lower --limit")
-        cells += [Cell(w, m, n) for m in methods]
-    return cells
+        sizes[w] = n
+    # repeat by repeat: an interrupted suite has whole repeats done first
+    return [Cell(w, m, sizes[w], r) for r in range(opts.repeats) for w in workloads for m in methods]
 
 
 def resume_manifest(out_dir: Path, command: str, settings: dict, strict_keys: tuple) -> tuple[dict, dict]:
@@ -172,7 +186,10 @@ def open_manifest(out_dir: Path, opts: SuiteOptions, cells: list[Cell]) -> dict:
     settings = opts.settings()
     old, states = resume_manifest(out_dir, "suite", settings, STRICT_KEYS)
     for c in cells:
-        states.setdefault(c.name, {"workload": c.workload, "method": c.method, "path": c.name, "status": "pending"})
+        state = {"workload": c.workload, "method": c.method, "path": c.name, "status": "pending"}
+        if c.repeat:
+            state.update(repeat=c.repeat, seed=opts.seed + c.repeat)
+        states.setdefault(c.name, state)
     return {
         "command": "suite",
         "settings": settings,

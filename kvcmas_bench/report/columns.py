@@ -33,13 +33,34 @@ def sig(v: float, digits: int = 3) -> str:
     return f"{v:.{decimals}f}"
 
 
+def estimate(p, se=None, lo=None, hi=None) -> str:
+    """A proportion with its standard error and 95% interval: ``0.833 ± 0.152 [0.436, 0.970]``
+    (the parts that are missing left out)."""
+    text = f"{float(p):.3f}"
+    if not missing(se):
+        text += f" ± {float(se):.3f}"
+    if not (missing(lo) or missing(hi)):
+        text += f" [{float(lo):.3f}, {float(hi):.3f}]"
+    return text
+
+
 def cell(v, kind: str = "num") -> str:
-    """One table cell: ``-`` when missing; ``acc``/``rho``: 3 decimals; ``s``: 3 significant
-    digits; ``MiB``: bytes in MiB with 1 decimal; ``err``/``kl``: 2-3 significant digits."""
+    """One table cell: ``-`` when missing; ``acc``/``rho``: 3 decimals; ``est``: a proportion, or a
+    tuple (p, SE, CI low, CI high) as ``0.833 ± 0.152 [0.436, 0.970]``; ``diff``: signed, 3
+    decimals; ``p``: a p-value, 3 significant digits; ``s``: 3 significant digits; ``MiB``: bytes in
+    MiB with 1 decimal; ``err``/``kl``: 2-3 significant digits."""
+    if kind == "est" and isinstance(v, (tuple, list)):
+        return "-" if not v or missing(v[0]) else estimate(*v)
     if missing(v):
         return "-"
     if kind == "text":
         return str(v)
+    if kind == "est":
+        return f"{float(v):.3f}"
+    if kind == "diff":
+        return f"{float(v):+.3f}"
+    if kind == "p":
+        return f"{float(v):.3g}"
     if kind == "int":
         return str(int(v))
     if kind in ("acc", "rho"):

@@ -5,9 +5,10 @@ Pareto view: one point per method (x: E2E latency or TTFT, lower is better; y: a
 agreement with NonShared, higher is better), the Pareto frontier as a staircase through the
 non-dominated points, and the rectangle spanned by FullShared and NonShared shaded. The axes are
 framed on that region (extended by its own size on each side); a point outside the frame is drawn
-on the border (hollow marker) and labelled with its true values. Artists carry ``gid``s
-(``point:<label>``, ``clamped:<label>``, ``frontier``, ``baseline-region``, ``nonshared-ref``) so
-tests can read what was drawn.
+on the border (hollow marker) and labelled with its true values. Proportions on the y axis
+(accuracy, agreement) carry their 95% Wilson interval as an error bar. Artists carry ``gid``s
+(``point:<label>``, ``clamped:<label>``, ``ci:<label>``, ``frontier``, ``baseline-region``,
+``nonshared-ref``) so tests can read what was drawn.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ def pareto_axes(df: pd.DataFrame, x: str, y: str, title: str):
     order = sorted(range(len(xs)), key=lambda i: xs[i])  # stagger the labels of neighbouring points
     for rank, i in enumerate(order):
         _point(ax, pts["label"].iloc[i], xs[i], ys[i], xlim, ylim, 4 + 9 * (rank % 3))
+        if xlim[0] <= xs[i] <= xlim[1]:
+            _ci(ax, pts.iloc[i], y, xs[i])
     front = frontier(list(zip(xs, ys)))
     ax.plot(
         [p[0] for p in front],
@@ -173,6 +176,18 @@ def _point(ax, label: str, x: float, y: float, xlim, ylim, dy: int = 4) -> None:
     )
 
 
+def _ci(ax, row, y: str, x: float, color: str | None = None) -> None:
+    """The 95% interval of the proportion ``y`` of one row as a vertical error bar at ``x``."""
+    lo, hi = row.get(f"{y}_ci_low"), row.get(f"{y}_ci_high")
+    if lo is None or hi is None or pd.isna(lo) or pd.isna(hi):
+        return
+    label = str(row["label"])
+    color = color or COLORS.get(label.partition(" ")[0], "gray")
+    ax.plot([x, x], [float(lo), float(hi)], color=color, lw=1, alpha=0.6, zorder=3, gid=f"ci:{label}")
+    for v in (float(lo), float(hi)):
+        ax.plot([x], [v], marker="_", ms=8, color=color, alpha=0.6, zorder=3)
+
+
 def rho_axes(df: pd.DataFrame, y: str, title: str):
     """Accuracy (or agreement) vs measured reuse ratio, one line per method with several runs;
     NonShared as a dashed reference line. Returns (figure, axes)."""
@@ -191,11 +206,13 @@ def rho_axes(df: pd.DataFrame, y: str, title: str):
             label=LABELS.get(method, method),
             gid=f"rho:{method}",
         )
+        for _, row in g.iterrows():
+            _ci(ax, row, y, float(row["reuse_ratio"]), COLORS.get(method))
         for label, vx, vy in zip(g["label"], g["reuse_ratio"], g[y]):
             suffix = label.partition(" ")[2]
             if suffix:
                 ax.annotate(suffix, (vx, vy), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    ax.set_xlabel("reuse ratio rho (served (token, layer) entries / eligible)")
+    ax.set_xlabel("reuse ratio rho (served (token, layer) entries / eligible); bars: 95% Wilson interval")
     ax.set_ylabel(Y_AXES[y])
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -213,10 +230,11 @@ def save(fig, out_dir: Path, name: str, caption: str) -> Figure:
     return Figure(name, caption, png, svg)
 
 
-def workload_figures(df: pd.DataFrame, workload: str, out_dir: Path) -> list[Figure]:
-    """Every Pareto view of one workload's rows, and the accuracy-vs-rho view when a method ran at
-    several settings."""
-    meta = meta_line(df)
+def workload_figures(df: pd.DataFrame, workload: str, out_dir: Path, stem: str | None = None) -> list[Figure]:
+    """Every Pareto view of one Table 1's rows (``workload``: its title, ``stem``: its file-name stem,
+    default the title), and the accuracy-vs-rho view when a method ran at several settings."""
+    stem = stem or workload
+    meta = meta_line(df) + "; bars: 95% Wilson interval"
     figs = []
     for y in ("accuracy", "answer_agreement"):
         if y not in df or df[y].isna().all():
@@ -226,14 +244,14 @@ def workload_figures(df: pd.DataFrame, workload: str, out_dir: Path) -> list[Fig
                 continue
             caption = f"{workload}: {Y_AXES[y]} vs {short}"
             fig, _ = pareto_axes(df, x, y, f"{caption}\n{meta}")
-            figs.append(save(fig, out_dir, f"{workload}_{y}_vs_{x.removesuffix('_s')}", caption))
+            figs.append(save(fig, out_dir, f"{stem}_{y}_vs_{x.removesuffix('_s')}", caption))
     several = df[df["method"] != "nonshared"].groupby("method")["label"].nunique()
     if (several > 1).any() and "reuse_ratio" in df:
         for y in ("accuracy", "answer_agreement"):
             if y in df and df[y].notna().any():
                 caption = f"{workload}: {Y_AXES[y]} vs reuse ratio"
                 fig, _ = rho_axes(df, y, f"{caption}\n{meta}")
-                figs.append(save(fig, out_dir, f"{workload}_{y}_vs_rho", caption))
+                figs.append(save(fig, out_dir, f"{stem}_{y}_vs_rho", caption))
     return figs
 
 

@@ -13,19 +13,24 @@ from pathlib import Path
 
 from .columns import Column, cell
 from .plots import Figure
+from .tables import MARK_ALPHA
 
-#: how the best / second-best accuracy among the sharing methods is marked
+_RULE = f"significantly higher than every sharing method below it: exact McNemar p < {MARK_ALPHA:g} against each"
+#: how the best / second-best accuracy among the sharing methods is marked (the rule:
+#: :func:`kvcmas_bench.report.tables.mark_best`)
 MARK_NOTE = {
-    "md": "**bold**: best accuracy among the sharing methods; _italic_: second best.",
-    "html": "<b>bold</b>: best accuracy among the sharing methods; <u>underlined</u>: second best.",
-    "console": "¹ / ²: best / second-best accuracy among the sharing methods.",
+    "md": f"**bold**: best accuracy among the sharing methods; _italic_: second best ({_RULE}).",
+    "html": f"<b>bold</b>: best accuracy among the sharing methods; <u>underlined</u>: second best ({_RULE}).",
+    "console": f"¹ / ²: best / second-best accuracy among the sharing methods (McNemar p < {MARK_ALPHA:g}).",
 }
+#: the marks that emphasise a cell (``tied`` / ``tied-second`` are named in the section's notes)
+SHOWN_MARKS = ("best", "second")
 
 
 @dataclass
 class Section:
     """One table of the report: rows are dicts keyed by the columns' keys; ``marks`` (per row,
-    ``best``/``second``/``""``) mark the ``accuracy`` cell."""
+    ``best``/``second``, or ``tied``/``tied-second``/``""`` shown plainly) mark the ``accuracy`` cell."""
 
     title: str
     columns: list[Column]
@@ -52,7 +57,11 @@ _WRAP = {"md": {"best": "**{}**", "second": "_{}_"}, "html": {"best": "<b>{}</b>
 
 def _marked(text: str, c: Column, mark: str, style: str) -> str:
     """``text`` of an accuracy cell wrapped in the best / second-best mark of ``style``."""
-    return _WRAP[style][mark].format(text) if c.key == "accuracy" and mark else text
+    return _WRAP[style][mark].format(text) if c.key == "accuracy" and mark in SHOWN_MARKS else text
+
+
+def _marked_any(s: Section) -> bool:
+    return any(m in SHOWN_MARKS for m in s.marks or [])
 
 
 def markdown(doc: Document, base: Path) -> str:
@@ -68,7 +77,7 @@ def markdown(doc: Document, base: Path) -> str:
             cells = [_marked(_md_cell(cell(row.get(c.key), c.kind)), c, mark, "md") for c in s.columns]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
-        if s.marks and any(s.marks):
+        if _marked_any(s):
             out += [MARK_NOTE["md"], ""]
         out += [f"{n}  " for n in s.notes] + ([""] if s.notes else [])
     if doc.figures:
@@ -114,7 +123,7 @@ def to_html(doc: Document) -> str:
     ]
     for s in doc.sections:
         parts += [f"<h2>{html.escape(s.title)}</h2>", _html_table(s)]
-        if s.marks and any(s.marks):
+        if _marked_any(s):
             parts.append(f'<p class="note">{MARK_NOTE["html"]}</p>')
         parts += [f'<p class="note">{html.escape(n)}</p>' for n in s.notes]
     if doc.figures:

@@ -1,23 +1,46 @@
-"""The report's tables as pandas frames: Table 1 per workload and agreement with NonShared.
+"""The report's tables as pandas frames: Table 1 per comparison group, agreement with NonShared,
+accuracy across repeats.
 
-Every figure is computed from the records (``samples.jsonl``, ``requests.jsonl``), so a run
-without ``summary.json`` (killed before the end) is still reported; ``summary.json`` fields are
-only optional extras (``runs.csv``).
+Every figure is computed from the records (``samples.jsonl``, ``requests.jsonl``) by
+:func:`kvcmas_bench.results.summary.run_figures`, the function behind ``summary.json``: one
+definition and one name per figure. ``summary.json`` fields are only optional extras (``runs.csv``).
+
+**Comparison groups**: Table 1 compares the runs that evaluated the same prompts, i.e. agree on
+:data:`~kvcmas_bench.results.frames.SETTING_KEYS` (workload, model, dtype, seed, token budgets,
+topology, ...). Within a group every figure is computed over the samples *every* run of the group
+finished (``n`` is that common count; ``n_finished`` each run's own; ``sample_scope``: ``all``
+when every run finished the same samples, ``common`` when some were cut to the common ones); when
+the runs share no sample at all (``own``), each row is over its own samples and nothing is marked.
 
 **Agreement with NonShared**: a run's reference is the NonShared run with the same settings
-(:data:`~kvcmas_bench.results.frames.SETTING_KEYS`: workload, model, dtype, seed, token budgets,
-topology, ...) sharing the most samples with it. Per sample, the method agrees when its final
-answer equals NonShared's on the same sample (``prediction``; HumanEval: the final output, since
-its prediction is the sandbox verdict); per request (matched by ``sample_id``, ``step``), when its
-first generated token equals NonShared's. NonShared against itself is 1.0 by construction.
+sharing the most samples with it. Per sample, the method agrees when its final answer equals
+NonShared's on the same sample (``prediction``; HumanEval: the final output, since its prediction
+is the sandbox verdict); per request (matched by ``sample_id``, ``step``), when its first
+generated token equals NonShared's. NonShared against itself is 1.0 by construction.
+
+**Uncertainty**: every proportion (accuracy, both agreements, top-1 agreement) carries
+``<name>_se`` = sqrt(p(1-p)/n) (binomial, divisor n) and ``<name>_ci_low``/``_ci_high``, the 95%
+Wilson score interval (:mod:`kvcmas_bench.results.stats`). The accuracy difference from NonShared
+(``accuracy_delta``) carries the exact McNemar test on the paired samples (``mcnemar_b``: samples
+the method gets right and NonShared wrong, ``mcnemar_c``: the reverse, ``mcnemar_p``).
+
+**Best marks** (:func:`mark_best`): among the sharing methods of a group, ``best`` goes to the
+highest accuracy only when it is significantly higher than *every* other one (exact McNemar,
+two-sided p < :data:`MARK_ALPHA` on the common samples, each pair); ``second`` likewise to the
+runner-up against every run below it. Otherwise the runs not significantly different from the top
+(or the runner-up) are ``tied`` (``tied-second``), and the report says so.
 """
 
 from __future__ import annotations
 
+import json
+import re
+
 import pandas as pd
 
-from ..results.frames import REFERENCE, Results, Run
-from ..results.summary import reuse_ratio
+from ..results.frames import REFERENCE, SETTING_KEYS, Results, Run
+from ..results.stats import discordant, mcnemar_exact, proportion
+from ..results.summary import run_figures
 from .columns import Column
 
 #: the sample field compared for answer agreement, per workload (default ``prediction``)
@@ -34,66 +57,53 @@ METHOD_ORDER = (
     "kvcmas-nonchained",
     "kvcmas",
 )
+#: significance level of the best / second-best marks (exact McNemar, each pair)
+MARK_ALPHA = 0.05
+#: proportions shown with their standard error and 95% interval
+ESTIMATES = ("accuracy", "answer_agreement", "first_token_agreement", "top1_agree")
 
 
 TABLE1 = (
     Column("label", "method", "text", 0, "left"),
     Column("n", "n", "int", 6),
-    Column("accuracy", "accuracy", "acc", 0),
-    Column("answer_agreement", "agree w/ NonShared", "acc", 1),
-    Column("first_token_agreement", "first-token agree", "acc", 4),
+    Column("accuracy", "accuracy ± SE [95% CI]", "est", 0),
+    Column("accuracy_delta", "acc. - NonShared", "diff", 3),
+    Column("mcnemar_p", "McNemar p", "p", 3),
+    Column("answer_agreement", "agree w/ NonShared ± SE [95% CI]", "est", 1),
+    Column("first_token_agreement", "first-token agree ± SE [95% CI]", "est", 4),
     Column("latency_s", "E2E latency (s)", "s", 1),
     Column("ttft_s", "TTFT mean (s)", "s", 2),
-    Column("ttft_p50_s", "TTFT p50 (s)", "s", 7),
-    Column("ttft_p90_s", "TTFT p90 (s)", "s", 5),
+    Column("ttft_s_p50", "TTFT p50 (s)", "s", 7),
+    Column("ttft_s_p90", "TTFT p90 (s)", "s", 5),
     Column("peak_mem_bytes", "peak mem (MiB)", "MiB", 6),
     Column("method_state_bytes", "method state (MiB)", "MiB", 6),
     Column("reuse_ratio", "rho", "rho", 2),
     Column("kv_rel_error", "KV rel. error", "err", 8),
-    Column("top1_agree", "top-1 agree", "acc", 8),
+    Column("top1_agree", "top-1 agree ± SE [95% CI]", "est", 8),
     Column("first_token_kl", "first-token KL", "kl", 9),
 )
 #: columns shown only when some row has a value
-OPTIONAL = ("answer_agreement", "first_token_agreement", "kv_rel_error", "top1_agree", "first_token_kl")
+OPTIONAL = (
+    "accuracy_delta",
+    "mcnemar_p",
+    "answer_agreement",
+    "first_token_agreement",
+    "kv_rel_error",
+    "top1_agree",
+    "first_token_kl",
+)
 
 
-def _mean(s: pd.Series) -> float | None:
-    s = s.dropna()
-    return float(s.astype(float).mean()) if len(s) else None
+def _only(df: pd.DataFrame, ids: set | None) -> pd.DataFrame:
+    if ids is None or df.empty or "sample_id" not in df:
+        return df
+    return df[df["sample_id"].isin(ids)]
 
 
-def run_metrics(run: Run) -> dict:
-    """Table 1 figures of one run, from its records."""
-    s, r = run.samples, run.requests
-    out: dict = {"n": len(s)}
-    if s.empty:
-        return out
-    out["accuracy"] = float(s["correct"].astype(float).mean())
-    out["latency_s"] = _mean(s["latency_s"]) if "latency_s" in s else None
-    if r.empty:
-        return out
-    out.update(
-        ttft_s=float(r["ttft_s"].mean()),
-        ttft_p50_s=float(r["ttft_s"].median()),
-        ttft_p90_s=float(r["ttft_s"].quantile(0.9)),
-        e2e_s=float(r["e2e_s"].mean()),
-        peak_mem_bytes=_max(r["peak_mem_bytes"]),
-        kv_state_peak_bytes=_max(r["kv_state_bytes"]),
-        method_state_bytes=_max(r["method_state_bytes"]),
-        reuse_ratio=reuse_ratio(r),
-        prompt_tokens_mean=float(r["prompt_tokens"].mean()),
-        prompt_tokens_max=int(r["prompt_tokens"].max()),
-    )
-    n_err = int(r["seg_kv_rel_error_n"].sum())
-    out["kv_rel_error"] = float(r["seg_kv_rel_error_sum"].sum()) / n_err if n_err else None
-    out["top1_agree"] = _mean(r["top1_agree"])
-    out["first_token_kl"] = _mean(r["first_token_kl"])
-    return out
-
-
-def _max(s: pd.Series) -> int | None:
-    s = s.dropna()
-    return int(s.max()) if len(s) else None
+def run_metrics(run: Run, ids: set | None = None) -> dict:
+    """The figures of one run (:func:`~kvcmas_bench.results.summary.run_figures`, as in
+    ``summary.json``), over the samples ``ids`` when given (their requests only)."""
+    return run_figures(_only(run.samples, ids), _only(run.requests, ids))
 
 
 def reference_for(run: Run, runs: list[Run]) -> Run | None:
@@ -114,24 +124,26 @@ def answer_key(run: Run) -> str:
     return ANSWER_FIELD.get(run.workload, "prediction")
 
 
-def sample_agreement(run: Run, ref: Run) -> pd.DataFrame:
-    """Per common sample: the method's answer, NonShared's, and whether they are equal."""
+def sample_agreement(run: Run, ref: Run, ids: set | None = None) -> pd.DataFrame:
+    """Per common sample (of ``ids`` when given): the method's answer, NonShared's, and whether
+    they are equal."""
     key = answer_key(run)
-    a = run.samples[["sample_id", key]].rename(columns={key: "answer"})
+    a = _only(run.samples, ids)[["sample_id", key]].rename(columns={key: "answer"})
     b = ref.samples[["sample_id", key]].rename(columns={key: "reference_answer"})
     m = a.merge(b, on="sample_id")
     m["agree"] = [x == y or (pd.isna(x) and pd.isna(y)) for x, y in zip(m["answer"], m["reference_answer"])]
     return m
 
 
-def request_agreement(run: Run, ref: Run) -> pd.DataFrame:
-    """Per common request (``sample_id``, ``step``): both first tokens and whether they are equal."""
+def request_agreement(run: Run, ref: Run, ids: set | None = None) -> pd.DataFrame:
+    """Per common request (``sample_id``, ``step``; of the samples ``ids`` when given): both first
+    tokens and whether they are equal."""
     cols = ["sample_id", "step", "agent", "first_token_id"]
     if run.requests.empty or ref.requests.empty or "first_token_id" not in run.requests:
         return pd.DataFrame(columns=[*cols, "reference_first_token_id", "agree"])
     if "first_token_id" not in ref.requests:
         return pd.DataFrame(columns=[*cols, "reference_first_token_id", "agree"])
-    a = run.requests[cols]
+    a = _only(run.requests, ids)[cols]
     b = ref.requests[["sample_id", "step", "first_token_id"]].rename(
         columns={"first_token_id": "reference_first_token_id"}
     )
@@ -140,64 +152,158 @@ def request_agreement(run: Run, ref: Run) -> pd.DataFrame:
     return m
 
 
-def agreement(run: Run, ref: Run | None) -> dict:
-    """Answer and first-token agreement of ``run`` with its reference (None when there is none)."""
+def agreement(run: Run, ref: Run | None, ids: set | None = None) -> dict:
+    """Answer and first-token agreement of ``run`` with its reference, each with its SE and 95%
+    Wilson interval (``{}`` when there is no reference); over the samples ``ids`` when given."""
     if ref is None:
         return {}
-    s = sample_agreement(run, ref)
-    r = request_agreement(run, ref)
+    s = sample_agreement(run, ref, ids)
+    r = request_agreement(run, ref, ids)
     return {
-        "answer_agreement": float(s["agree"].mean()) if len(s) else None,
-        "first_token_agreement": float(r["agree"].mean()) if len(r) else None,
+        **proportion(int(s["agree"].sum()), len(s), "answer_agreement"),
+        **proportion(int(r["agree"].sum()), len(r), "first_token_agreement"),
         "agreement_samples": len(s),
         "reference": ref.run_id,
     }
 
 
-def table1(results: Results) -> pd.DataFrame:
-    """One row per run (workload, label, Table 1 figures, agreement), rows ordered by workload and
-    method; ``acc_mark``: ``best`` / ``second`` accuracy among the sharing methods of a workload."""
+def outcomes(run: Run, ids: set) -> list[bool]:
+    """``correct`` of ``run`` on the samples ``ids``, in sample-id order (every id must be there)."""
+    s = run.samples.set_index("sample_id")["correct"]
+    return [bool(s[i]) for i in sorted(ids)]
+
+
+def paired_accuracy(run: Run, ref: Run | None, ids: set | None = None) -> dict:
+    """The accuracy difference from the reference on the samples both finished (of ``ids`` when
+    given) and its exact McNemar test; ``{}`` for the reference itself or without one."""
+    if ref is None or ref is run:
+        return {}
+    common = run.sample_ids & ref.sample_ids & (ids if ids is not None else run.sample_ids)
+    if not common:
+        return {}
+    b, c = discordant(outcomes(run, common), outcomes(ref, common))
+    return {
+        "accuracy_delta": (b - c) / len(common),
+        "mcnemar_b": b,
+        "mcnemar_c": c,
+        "mcnemar_p": mcnemar_exact(b, c),
+        "paired_samples": len(common),
+    }
+
+
+def comparison_groups(runs: list[Run]) -> dict[tuple, list[Run]]:
+    """Runs by what they evaluated (:meth:`Run.settings`), in the order met."""
+    groups: dict[tuple, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.settings(), []).append(r)
+    return groups
+
+
+def common_samples(runs: list[Run]) -> set:
+    """The samples every run with finished samples finished (runs with none are left out)."""
+    sets = [r.sample_ids for r in runs if r.sample_ids]
+    return set.intersection(*sets) if sets else set()
+
+
+def group_titles(groups: dict[tuple, list[Run]]) -> dict[tuple, str]:
+    """The workload, plus the settings that tell apart several groups of one workload (``mmlu, seed=1``)."""
+    by_workload: dict[str, list[tuple]] = {}
+    for key, runs in groups.items():
+        by_workload.setdefault(runs[0].workload, []).append(key)
+    titles = {}
+    for workload, keys in by_workload.items():
+        cfgs = [groups[k][0].config for k in keys]
+        differ = [k for k in SETTING_KEYS[1:] if len({json.dumps(c.get(k), sort_keys=True) for c in cfgs}) > 1]
+        for key, cfg in zip(keys, cfgs):
+            titles[key] = workload + "".join(f", {k}={cfg.get(k)}" for k in differ)
+    return titles
+
+
+def _group_rows(runs: list[Run], all_runs: list[Run], title: str, common: bool) -> list[dict]:
+    """Table 1 rows of one comparison group, over its common samples (``common``) or each run's own."""
+    ids = common_samples(runs) if common else set()
+    scope = "own" if not ids else ("all" if all(r.sample_ids == ids for r in runs if r.sample_ids) else "common")
+    use = ids or None
     rows = []
-    for run in results.runs:
-        ref = reference_for(run, results.runs)
+    for run in runs:
+        ref = reference_for(run, all_runs) if run.sample_ids else None  # a run killed before its first sample
         rows.append(
             {
                 "run_id": run.run_id,
+                "table": title,
                 "workload": run.workload,
                 "method": run.method,
                 "label": run.label,
                 "model": run.config.get("model"),
                 "device": run.config.get("device"),
-                **run_metrics(run),
-                **agreement(run, ref),
+                "seed": run.config.get("seed"),
+                "n_finished": len(run.samples),
+                "sample_scope": scope,
+                **run_metrics(run, use),
+                **agreement(run, ref, use),
+                **paired_accuracy(run, ref, use),
             }
         )
+    sharing = {r.run_id: outcomes(r, ids) for r in runs if r.method != REFERENCE and ids and r.sample_ids}
+    marks = mark_best(sharing)
+    for row in rows:
+        row["acc_mark"] = marks.get(row["run_id"], "")
+    return rows
+
+
+def table1(results: Results, common: bool = True) -> pd.DataFrame:
+    """One row per run (table, workload, label, figures, agreement, paired test against NonShared),
+    rows ordered by comparison group (as met) and method; ``acc_mark``: see :func:`mark_best`.
+
+    ``common``: each group's figures over the samples all its runs finished (the report); False:
+    every run over all its own samples (``compare``, which pairs runs across directories)."""
+    groups = comparison_groups(results.runs)
+    titles = group_titles(groups)
+    rows = [row for key, runs in groups.items() for row in _group_rows(runs, results.runs, titles[key], common)]
     df = pd.DataFrame(rows)
     if df.empty:
         return df
     order = {m: i for i, m in enumerate(METHOD_ORDER)}
-    workloads = {w: i for i, w in enumerate(dict.fromkeys(df["workload"]))}  # as met in the inputs
-    df["_w"] = df["workload"].map(workloads)
+    tables = {t: i for i, t in enumerate(dict.fromkeys(df["table"]))}  # as met in the inputs
+    df["_t"] = df["table"].map(tables)
     df["_m"] = df["method"].map(lambda m: order.get(m, len(order)))
-    df = df.sort_values(["_w", "_m", "label"], kind="stable").drop(columns=["_w", "_m"])
-    df["acc_mark"] = mark_best(df)
+    df = df.sort_values(["_t", "_m", "label"], kind="stable").drop(columns=["_t", "_m"])
     return df.reset_index(drop=True)
 
 
-def mark_best(df: pd.DataFrame) -> list[str]:
-    """``best`` / ``second`` for the highest and second-highest accuracy among the sharing methods
-    (every method but NonShared) of each workload and model; ties share a mark; nothing is marked
-    when all of them tie."""
-    marks = pd.Series("", index=df.index)
-    for _, g in df.groupby(["workload", "model"], sort=False, dropna=False):
-        sharing = g[(g["method"] != REFERENCE) & g["accuracy"].notna()]["accuracy"]
-        levels = sorted(set(sharing), reverse=True)[:2]
-        if len(levels) < 2:
+def _beats(a: list[bool], others: list[list[bool]], alpha: float) -> bool:
+    """``a`` has a higher accuracy than each of ``others`` with exact McNemar p < ``alpha``."""
+    return all(sum(a) > sum(o) and mcnemar_exact(*discordant(a, o)) < alpha for o in others)
+
+
+def _tied(top: list[bool], rest: dict[str, list[bool]], alpha: float) -> list[str]:
+    return [k for k, o in rest.items() if mcnemar_exact(*discordant(top, o)) >= alpha]
+
+
+def mark_best(outcomes: dict[str, list[bool]], alpha: float = MARK_ALPHA) -> dict[str, str]:
+    """Marks of the sharing runs of one group from their paired per-sample outcomes (the same
+    samples, in the same order): ``best`` for the highest accuracy when it is significantly higher
+    than every other's (exact McNemar, two-sided p < ``alpha`` against each: an intersection-union
+    test, so no multiplicity correction); then ``second`` for the runner-up, by the same rule over
+    the runs below it. Where the rule does not separate them, the top run and those not
+    significantly different from it are ``tied`` (``tied-second`` at the second place); fewer than
+    two runs: no marks."""
+    ranked = sorted(outcomes, key=lambda k: -sum(outcomes[k]))  # stable: ties keep the input order
+    if len(ranked) < 2:
+        return {}
+    marks: dict[str, str] = {}
+    for place, (mark, tie) in enumerate((("best", "tied"), ("second", "tied-second"))):
+        top, below = ranked[place], ranked[place + 1 :]
+        if not below and place == 1:
+            marks[top] = mark  # the only run below a separated best
+            break
+        if _beats(outcomes[top], [outcomes[k] for k in below], alpha):
+            marks[top] = mark
             continue
-        for idx, acc in sharing.items():
-            if acc in levels:
-                marks[idx] = ("best", "second")[levels.index(acc)]
-    return marks.tolist()
+        for k in [top, *_tied(outcomes[top], {k: outcomes[k] for k in below}, alpha)]:
+            marks[k] = tie
+        break
+    return marks
 
 
 def agreement_frame(results: Results) -> pd.DataFrame:
@@ -208,6 +314,64 @@ def agreement_frame(results: Results) -> pd.DataFrame:
         if ref is not None:
             frames.append(sample_agreement(run, ref).assign(run_id=run.run_id, reference=ref.run_id))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def repeat_label(run: Run) -> str:
+    """The run's label without its ``seed=`` part (repeats of one configuration differ only there)."""
+    return re.sub(r" seed=\S+", "", run.label)
+
+
+def _variant(run: Run) -> str:
+    """What a run evaluated apart from the seed: repeats of one configuration share it."""
+    keys = [k for k in SETTING_KEYS if k != "seed"]
+    cfg = {k: run.config.get(k) for k in (*keys, "method", "method_config", "target_reuse")}
+    return json.dumps(cfg, sort_keys=True, default=str)
+
+
+def repeats_frame(results: Results, t1: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy across repeats (runs of one configuration at several seeds), per workload and
+    method: mean and standard deviation (divisor n - 1) of the repeats' Table 1 accuracies (each
+    over its group's common samples); empty when no configuration ran at more than one seed."""
+    if t1.empty:
+        return pd.DataFrame()
+    runs = {r.run_id: r for r in results.runs}
+    groups: dict[str, list[dict]] = {}
+    for row in t1.to_dict("records"):
+        groups.setdefault(_variant(runs[row["run_id"]]), []).append(row)
+    out = []
+    for rows in groups.values():
+        seeds = [r["seed"] for r in rows]
+        acc = pd.Series([r.get("accuracy") for r in rows], dtype=float).dropna()
+        if len(set(map(str, seeds))) < 2 or acc.empty:
+            continue
+        first = runs[rows[0]["run_id"]]
+        out.append(
+            {
+                "workload": first.workload,
+                "method": first.method,
+                "label": repeat_label(first),
+                "repeats": len(rows),
+                "seeds": ",".join(str(s) for s in seeds),
+                "n_min": int(min(r["n"] for r in rows)),
+                "n_max": int(max(r["n"] for r in rows)),
+                "accuracy_mean": float(acc.mean()),
+                "accuracy_std": float(acc.std(ddof=1)) if len(acc) > 1 else None,
+            }
+        )
+    return pd.DataFrame(out)
+
+
+def section_rows(df: pd.DataFrame) -> list[dict]:
+    """Table 1 rows for rendering: every proportion of :data:`ESTIMATES` as (value, SE, CI low, CI
+    high), which the ``est`` cell format writes as ``0.833 ± 0.152 [0.436, 0.970]``."""
+    rows = []
+    for rec in df.to_dict("records"):
+        for k in ESTIMATES:
+            if k in rec:
+                parts = tuple(rec.get(f"{k}{s}") for s in ("", "_se", "_ci_low", "_ci_high"))
+                rec[k] = None if pd.isna(parts[0]) else parts
+        rows.append(rec)
+    return rows
 
 
 def visible_columns(df: pd.DataFrame, columns=TABLE1) -> list[Column]:

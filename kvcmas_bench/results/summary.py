@@ -2,6 +2,11 @@
 
 Every figure is computed from the records, so a report can recompute any other definition from
 ``requests.jsonl``; ``DEFINITIONS`` (written into ``summary.json``) states the ones used here.
+
+:func:`run_figures` is the one definition of a run's figures (accuracy with its standard error and
+interval, latency, TTFT mean/p50/p90, E2E, memory, method state, rho, KV error, top-1 agreement,
+first-token KL): ``summary.json`` (:func:`summarize`) and the report's Table 1
+(:func:`kvcmas_bench.report.tables.run_metrics`) both take them from it, under the same names.
 """
 
 from __future__ import annotations
@@ -12,9 +17,20 @@ from dataclasses import asdict
 import numpy as np
 import pandas as pd
 
+from .frames import request_row
 from .request import RequestRecord
+from .stats import proportion
 
 DEFINITIONS = {
+    "accuracy": "share of samples whose final answer the workload scores correct; accuracy_se = "
+    "sqrt(p(1-p)/n) (binomial, divisor n), accuracy_ci_low/high = the 95% Wilson score interval",
+    "latency_s": "sum of the agents' end-to-end times per sample, mean (latency_s) and median (latency_s_p50) "
+    "over samples",
+    "ttft_s": "time to first token per agent request: mean (ttft_s), median (ttft_s_p50) and 90th percentile "
+    "(ttft_s_p90, linear interpolation) over requests; e2e_s: mean end-to-end time per request",
+    "peak_mem_bytes": "max over requests of the device peak (CUDA) or the process peak RSS (CPU); "
+    "kv_state_peak_bytes: max of the live KV cache plus method state; method_state_bytes: max over requests "
+    "of the method's own state (anchor pools, references, calibration tables)",
     "reuse_ratio": "rho = (shared token, layer) entries served by reuse / entries of reuse-eligible shared "
     "segments. Eligibility is fixed before the method runs, by method family and segment: source-based "
     "methods (nonshared, fullshared, cacheblend, droidspeak, relaycaching, chained kvcmas) count the shared "
@@ -22,8 +38,14 @@ DEFINITIONS = {
     "count every shared segment, the first agent's included. A dense fallback stays in the denominator; "
     "recomputed (token, layer) entries are not served by reuse. Per segment: eligible, reused_tokens, "
     "prefilled_tokens, reference_tokens, recomputed_token_layers in requests.jsonl.",
-    "fidelity.kv_rel_error": "||C_method - C_dense||_F / ||C_dense||_F over K and V of one shared segment, "
-    "averaged over every shared segment of every request (exactly prefilled segments count as 0)",
+    "fidelity.kv_rel_error": "||C_method - C_full||_F / ||C_full||_F over K and V of one shared segment, C_full "
+    "the rows of a full dense prefill of the same prompt (one forward from position 0), averaged over every "
+    "shared segment of every request (dense segments included: after a corrected one they differ from C_full; "
+    "otherwise only by float rounding). Per segment, local_kv_rel_error in requests.jsonl is the conditional "
+    "figure: against a dense prefill of the segment over the cache as the method built it",
+    "fidelity.top1_agree": "share of requests whose first generated token equals the dense prefill's, with "
+    "top1_agree_se and the 95% Wilson interval as for accuracy (requests counted as independent trials); "
+    "fidelity.first_token_kl: mean KL of the first token's distribution from the dense one",
     "fidelity.per_agent": "the same per workflow node, in execution order",
     "fidelity.per_layer": "per-layer relative error, averaged over every shared segment",
     "fidelity.by_status": "mean relative error of the segments with each materialization status",
@@ -31,6 +53,17 @@ DEFINITIONS = {
     "fallbacks, anchors inserted/evicted, uncalibrated relations) and segment statuses; gate entropy, "
     "comparison-prefix and anchors-used distributions over the gate decisions",
 }
+#: request token counters summed over a run
+TOKEN_SUMS = ("prefilled_tokens", "reused_tokens", "eligible_tokens", "reference_tokens", "recomputed_token_layers")
+#: the figures of :func:`run_figures` that ``summary.json`` keeps under ``fidelity``
+FIDELITY_KEYS = (
+    "kv_rel_error",
+    "top1_agree",
+    "top1_agree_se",
+    "top1_agree_ci_low",
+    "top1_agree_ci_high",
+    "first_token_kl",
+)
 
 
 def _mean(values) -> float | None:
@@ -38,34 +71,75 @@ def _mean(values) -> float | None:
     return float(np.mean(vals)) if vals else None
 
 
+def _max(s: pd.Series) -> int | None:
+    s = s.dropna()
+    return int(s.max()) if len(s) else None
+
+
 def records_frame(requests: list[RequestRecord]) -> pd.DataFrame:
     """One row per request record, every declared field a column (segments as lists of dicts)."""
     return pd.DataFrame([asdict(r) for r in requests])
 
 
+def flat_frame(requests: list[RequestRecord]) -> pd.DataFrame:
+    """The request records as the flat rows :func:`run_figures` reads (``frames.request_row``)."""
+    return pd.DataFrame([request_row(r) for r in requests])
+
+
+def run_figures(samples: pd.DataFrame, requests: pd.DataFrame) -> dict:
+    """Every figure of one run from its sample rows and flat request rows (``frames.request_row``):
+    the one definition behind ``summary.json``, Table 1 and the exported frames."""
+    out: dict = {"n": len(samples)}
+    if samples.empty:
+        return out
+    correct = samples["correct"].astype(bool)
+    out.update(proportion(int(correct.sum()), len(correct), "accuracy"))
+    if "latency_s" in samples:
+        lat = samples["latency_s"].dropna().astype(float)
+        out["latency_s"] = float(lat.mean()) if len(lat) else None
+        out["latency_s_p50"] = float(lat.median()) if len(lat) else None
+    if requests.empty:
+        return out
+    r = requests
+    out.update(
+        ttft_s=float(r["ttft_s"].mean()),
+        ttft_s_p50=float(r["ttft_s"].median()),
+        ttft_s_p90=float(r["ttft_s"].quantile(0.9)),
+        e2e_s=float(r["e2e_s"].mean()),
+        peak_mem_bytes=_max(r["peak_mem_bytes"]),
+        peak_rss_bytes=_max(r["peak_rss_bytes"]),
+        kv_state_peak_bytes=_max(r["kv_state_bytes"]),
+        method_state_bytes=_max(r["method_state_bytes"]),
+        **{k: int(r[k].sum()) for k in TOKEN_SUMS},
+        prompt_tokens_mean=float(r["prompt_tokens"].mean()),
+        prompt_tokens_max=int(r["prompt_tokens"].max()),
+        reuse_ratio=reuse_ratio(r),
+    )
+    out.update(fidelity_figures(r))
+    return out
+
+
+def fidelity_figures(r: pd.DataFrame) -> dict:
+    """KV error (mean over every shared segment with a measured error), top-1 agreement with its
+    SE and interval, first-token KL, from flat request rows; None where nothing was measured."""
+    n_err = int(r["seg_kv_rel_error_n"].sum())
+    top1 = r["top1_agree"].dropna().astype(bool)
+    kl = r["first_token_kl"].dropna().astype(float)
+    return {
+        "kv_rel_error": float(r["seg_kv_rel_error_sum"].sum()) / n_err if n_err else None,
+        **proportion(int(top1.sum()), len(top1), "top1_agree"),
+        "first_token_kl": float(kl.mean()) if len(kl) else None,
+    }
+
+
 def summarize(samples: list[dict], requests: list[RequestRecord], meta: dict) -> dict:
     """Accuracy, latency, TTFT, memory, reuse ratio, fidelity and method accounting of a run."""
     s = pd.DataFrame(samples)
+    figures = run_figures(s, flat_frame(requests))
+    out = {**meta, **{k: v for k, v in figures.items() if k not in FIDELITY_KEYS}}
+    if s.empty or not requests:
+        return out
     r = records_frame(requests)
-    out = {**meta, "n": len(s)}
-    if s.empty:
-        return out
-    out["accuracy"] = float(s["correct"].mean())
-    out["latency_s"] = float(s["latency_s"].mean())
-    out["latency_s_p50"] = float(s["latency_s"].median())
-    if r.empty:
-        return out
-    out["ttft_s"] = float(r["ttft_s"].mean())
-    out["ttft_s_p50"] = float(r["ttft_s"].median())
-    out["ttft_s_p90"] = float(r["ttft_s"].quantile(0.9))
-    out["e2e_s"] = float(r["e2e_s"].mean())
-    out["peak_mem_bytes"] = int(r["peak_mem_bytes"].max())
-    out["peak_rss_bytes"] = int(r["peak_rss_bytes"].max())
-    out["kv_state_peak_bytes"] = int(r["kv_state_bytes"].max())
-    out["method_state_peak_bytes"] = int(r["method_state_bytes"].max())
-    for key in ("prefilled_tokens", "reused_tokens", "eligible_tokens", "reference_tokens", "recomputed_token_layers"):
-        out[key] = int(r[key].sum())
-    out["reuse_ratio"] = reuse_ratio(r)
     out["per_agent"] = per_node(requests)
     out["per_slot"] = per_slot_reuse(r)
     fid = fidelity(requests)
@@ -149,9 +223,7 @@ def fidelity(requests: list[RequestRecord]) -> dict:
     layers = [s.kv_rel_error_per_layer for s in segs if s.kv_rel_error_per_layer]
     statuses = sorted({s.status for s in segs})
     return {
-        "kv_rel_error": _mean(s.kv_rel_error for s in segs),
-        "top1_agree": _mean(float(r.top1_agree) for r in measured),
-        "first_token_kl": _mean(r.first_token_kl for r in measured),
+        **fidelity_figures(flat_frame(requests)),
         "segments": len(segs),
         "per_agent": [
             {k: row[k] for k in ("step", "node", "agent", "kv_rel_error", "top1_agree", "first_token_kl") if k in row}
