@@ -26,9 +26,11 @@ from ..ops.lowrank import (
     gate_entropy,
     lowrank_apply,
     lowrank_token_sqdist,
+    prune_weights,
     rows_copy,
     rows_to_keys,
     shift_to_rows,
+    sparse_apply,
     token_weights,
 )
 from .anchors import Anchor, AnchorPool, instance_key, stack_b
@@ -68,6 +70,10 @@ class OnlineDeltaCorrection(Method):
     gate_temperature: float = 0.01
     #: rank r_D of the stored deltas (None: ``rank``); ``rank`` is r_C, the rank of the base caches
     delta_rank: int | None = None
+    #: skip the (anchor, token) terms of the correction whose token weight is below this (K and V
+    #: apart): the result differs from the unpruned one by at most the dropped weight mass (recorded
+    #: per segment as ``dropped_weight``) times the dropped deltas' magnitude; 0 applies every term
+    prune_tol: float = 1e-4
     #: gate and correct with only the anchors covering the whole segment (KVCOMM's public code);
     #: False: the paper's variable-length rule (A.3: the longest prefix two anchors cover)
     full_coverage: ClassVar[bool] = False
@@ -102,6 +108,7 @@ class OnlineDeltaCorrection(Method):
             f"--anchor-dtype must be bfloat16, float16 or float32, got {self.anchor_dtype!r}",
         )
         check(self.svd in ("gram", "exact"), f"svd must be 'gram' or 'exact', got {self.svd!r}")
+        check(0.0 <= self.prune_tol < 0.5, f"prune_tol must lie in [0, 0.5), got {self.prune_tol}")
 
     @classmethod
     def workload_defaults(cls, workload) -> dict:
@@ -262,15 +269,22 @@ class OnlineDeltaCorrection(Method):
         """
         k = dec.k
         pool, consumer = self.pools[ctx.slot], ctx.consumer
-        corrs = []
+        corrs, applied, dropped = [], [], 0.0
         for part, rows in (("k", ref_k), ("v", ref_v)):
             sq = dec.sqdist_v if part == "v" else None
             dist = self.token_distance(pool, consumer, dec.anchors, f"base_{part}", rows[:, :k], sq)
-            corrs.append(
-                self.weighted_delta(
-                    pool, consumer, dec.anchors, f"delta_{part}", token_weights(dist, self.temperature), k
-                )
-            )
+            w = token_weights(dist, self.temperature)
+            keep, mass = prune_weights(w, self.prune_tol)
+            if float(keep.float().mean()) > 0.5:  # little to skip: the one stacked GEMM, every term
+                keep, mass = torch.ones_like(keep), mass.zero_()
+                corrs.append(self.weighted_delta(pool, consumer, dec.anchors, f"delta_{part}", w, k))
+            else:
+                factors = [a.factor(f"delta_{part}", consumer) for a in dec.anchors]
+                corrs.append(sparse_apply(w, keep, [f.a for f in factors], [f.b for f in factors]))
+            applied.append(round(float(keep.float().sum(0).mean()), 3))
+            dropped = max(dropped, float(mass.max()) if mass.numel() else 0.0)
+        # anchors applied per token (mean over tokens, K then V) and the largest dropped weight mass
+        ctx.details.update(anchors_applied=applied, dropped_weight=float(f"{dropped:.6g}"))
         if not all(bool(torch.isfinite(c.sum())) for c in corrs):  # a NaN/inf anywhere reaches the sum
             return None
         ref_k[:, :k] += corrs[0]

@@ -34,6 +34,8 @@ class KVComm(OnlineDeltaCorrection):
     delta_rank: int | None = field(default=None, init=False)
     chained: bool = False
     exact_layer0: bool = True
+    #: KVComm applies every compatible anchor, as its code does
+    prune_tol: float = 0.0
     full_coverage: ClassVar[bool] = True
 
     @classmethod

@@ -140,6 +140,41 @@ def token_weights(dist: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return torch.softmax(-dist.float() / temperature, dim=0)
 
 
+def prune_weights(w: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which (anchor, token) weights of ``w`` (``[n, k]``) take part in the correction: those
+    ``>= tol`` (each token keeps at least its largest weight). Returns the keep mask ``[n, k]`` and
+    the dropped weight mass per token ``[k]`` (a sum of weights each ``< tol``). ``tol = 0`` keeps all."""
+    if tol <= 0 or w.numel() == 0:
+        return torch.ones_like(w, dtype=torch.bool), w.new_zeros(w.shape[1])
+    keep = w >= tol
+    keep.scatter_(0, w.argmax(dim=0, keepdim=True), True)
+    return keep, torch.where(keep, 0.0, w).sum(dim=0)
+
+
+def sparse_apply(w: torch.Tensor, keep: torch.Tensor, a_list: list, b_list: list) -> torch.Tensor:
+    """``sum_v w[v, t] (A_v B_v)[l, t]`` over the kept (anchor, token) pairs only, ``[layers, k, D]``
+    float32: per anchor one GEMM over its kept tokens' ``A`` rows (scaled by their weights), added
+    into their output rows. ``b_list[v]`` is None for full-dimensional anchors (``a`` is the matrix).
+    Its cost follows the kept pairs, not ``n x k``."""
+    n, k = w.shape
+    L = a_list[0].shape[0]
+    D = a_list[0].shape[-1] if b_list[0] is None else b_list[0].shape[-1]
+    out = torch.zeros(L, k, D, dtype=torch.float32, device=w.device)
+    for v in range(n):
+        idx = keep[v].nonzero().squeeze(1)
+        if idx.numel() == 0:
+            continue
+        a, b = a_list[v], b_list[v]
+        dt = a.dtype if b is None else b.dtype
+        if idx.numel() == k:
+            rows = a[:, :k] * w[v][None, :, None].to(dt)
+            out += (rows if b is None else torch.bmm(rows, b)).float()
+            continue
+        rows = a[:, idx] * w[v, idx][None, :, None].to(dt)
+        out.index_add_(1, idx, (rows if b is None else torch.bmm(rows, b)).float())
+    return out
+
+
 def effective_rank(z: torch.Tensor, energy: float = 0.9) -> float:
     """Mean over layers of the smallest rank keeping ``energy`` of the squared singular values
     (per layer: :func:`kvcmas_bench.ops.spectrum.effective_ranks`)."""
