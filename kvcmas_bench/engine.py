@@ -53,6 +53,10 @@ class Segment:
     embeds: torch.Tensor | None = None
     #: identity of the content when ``ids`` do not carry it (visual segments: the image or video key)
     content_key: str | None = None
+    #: a controlled reuse decision (serve-sweep ``--rho`` for every method): "dense" makes reuse
+    #: methods prefill this segment densely (as a fallback), "reuse" makes gated methods reuse it
+    #: whatever their gate says; None: the method decides
+    schedule: str | None = None
 
     def __post_init__(self) -> None:
         if self.embeds is not None and self.embeds.shape[0] != len(self.ids):
@@ -61,6 +65,8 @@ class Segment:
             raise ValueError(f"segment kind must be PF or PH, not {self.kind!r}")
         if self.kind == "PH" and not self.slot:
             raise ValueError("a PH segment needs a slot id")
+        if self.schedule not in (None, "dense", "reuse"):
+            raise ValueError(f"segment schedule must be dense, reuse or None, not {self.schedule!r}")
 
 
 @dataclass
@@ -221,6 +227,11 @@ class SegmentContext:
     @property
     def slot(self) -> str:
         return self.segment.slot  # type: ignore[return-value]
+
+    @property
+    def forced(self) -> str | None:
+        """The segment's scheduled decision ("dense", "reuse") under a controlled reuse ratio."""
+        return self.segment.schedule
 
     @property
     def length(self) -> int:

@@ -141,7 +141,11 @@ class OnlineDeltaCorrection(Method):
         ref_k = shift_to_rows(ref.k, -ref.start, inv)  # canonical (position-0) keys, row layout, float32
         ref_v = rows_copy(ref.v)
         pool = self.pools.setdefault(ctx.slot, AnchorPool(self.anchors))
-        decision = self.gate(pool, ctx.consumer, ref_v, ctx.length, ctx.details)
+        if ctx.forced == "dense":  # a controlled reuse ratio (serve-sweep --rho): this one falls back
+            decision = None
+            ctx.details["gate"] = "scheduled_dense"
+        else:
+            decision = self.gate(pool, ctx.consumer, ref_v, ctx.length, ctx.details, force=ctx.forced == "reuse")
         if decision is not None:
             kv = self.correct(ctx, decision, ref_k, ref_v, ref)
             if kv is not None:
@@ -169,7 +173,13 @@ class OnlineDeltaCorrection(Method):
 
     # ---- Eq. 9-11 ------------------------------------------------------------------------------
     def gate(
-        self, pool: AnchorPool, consumer: str, ref_v: torch.Tensor, S: int, details: dict | None = None
+        self,
+        pool: AnchorPool,
+        consumer: str,
+        ref_v: torch.Tensor,
+        S: int,
+        details: dict | None = None,
+        force: bool = False,
     ) -> GateDecision | None:
         """Pick compatible anchors and decide reliability by normalized gate entropy.
 
@@ -177,22 +187,25 @@ class OnlineDeltaCorrection(Method):
         longest prefix two anchors cover (``full_coverage``: only anchors covering the whole segment
         take part, as KVCOMM's code gates). With a pool of one the gate is bypassed (paper C.3).
         ``details`` receives the decision's accounting: outcome, compatible anchors, comparison
-        prefix, entropy and the anchors whose activation counts it raised.
+        prefix, entropy and the anchors whose activation counts it raised. ``force`` (a scheduled
+        reuse, serve-sweep's controlled rho): accept whatever the entropy, with one anchor too.
         """
         details = {} if details is None else details
         lengths = pool.lengths(consumer)
         details["anchors_available"] = len(lengths)
-        if self.anchors == 1:
+        if self.full_coverage:
+            lengths = [n for n in lengths if n >= S]
+            details["anchors_covering"] = len(lengths)
+        if self.anchors == 1 or (force and len(lengths) == 1):
             if not lengths:
                 details["gate"] = "no_anchor"
                 return None
             k = min(S, lengths[0])
             cands = pool.compatible(consumer, k)
-            details.update(gate="bypassed", compare_tokens=k, anchors_used=len(cands))
+            details.update(
+                gate="bypassed" if self.anchors == 1 else "scheduled", compare_tokens=k, anchors_used=len(cands)
+            )
             return GateDecision(cands, k, torch.ones(len(cands)), None)
-        if self.full_coverage:
-            lengths = [n for n in lengths if n >= S]
-            details["anchors_covering"] = len(lengths)
         if len(lengths) < 2:
             details["gate"] = "too_few_anchors"
             return None
@@ -204,7 +217,7 @@ class OnlineDeltaCorrection(Method):
         self.entropies.append((h, S))
         distances = [float(f"{x:.6g}") for x in sq.double().sqrt().tolist()]
         details.update(compare_tokens=k, entropy=h, anchors_compared=len(cands), distances=distances)
-        if h > self.tau:
+        if h > self.tau and not force:
             details["gate"] = "rejected"
             return None
         order = torch.argsort(g, descending=True)
@@ -212,7 +225,7 @@ class OnlineDeltaCorrection(Method):
         n_top = int((cum < self.activation_top_p).sum()) + 1
         for i in order[:n_top].tolist():
             cands[i].count += 1
-        details.update(gate="accepted", anchors_used=n_top)
+        details.update(gate="accepted" if h <= self.tau else "scheduled", anchors_used=n_top)
         return GateDecision(cands, k, g, h, dist_v)
 
     @staticmethod

@@ -15,7 +15,7 @@ class FullShared(Method):
     summary = "reuse the aligned source cache as is (fastest, least accurate)"
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
-        if ctx.source is None:
+        if ctx.source is None or ctx.forced == "dense":
             return ctx.dense()
         kv = ctx.aligned_source()
         kv.status = "reused"

@@ -69,6 +69,9 @@ class GraphFlow(Method):
         }
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
+        if ctx.forced == "dense":  # a controlled reuse ratio: this transition falls back
+            ctx.details["schedule"] = "dense"
+            return ctx.dense()
         key = (ctx.slot, tuple(ctx.segment.ids))
         ref = self.references.get(key)
         if ref is None:
