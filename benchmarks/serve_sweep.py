@@ -11,11 +11,19 @@ TTFT speedup over every other method at the highest QPS NonShared still sustains
 beside the goal (>= 2x over NonShared), with KVCMAS's per-request breakdown (correction, anchor
 construction, decode) when it falls short.
 
-    python benchmarks/serve_sweep.py                      # 2K shared, 12 trajectories, 16 output tokens
-    python benchmarks/serve_sweep.py --shared-tokens 256 --trajectories 2 --output-tokens 16   # smoke run
+``--repeats N`` (default 1) measures the whole sweep N times, into ``--output-path``/repeat-1 ...
+repeat-N, and ends with min / median / max over the repeats of each method's mean trajectory
+service time and TTFT and of KVCMAS's speedups, with the spread (max - min) / median flagged
+"SPREAD > 20%: not reproducible on this machine now" above 20%. The output starts with the command
+line, date and git revision, and every output directory gets it appended to its ``command.txt``.
 
-Results (config, traces, service/requests JSONL, summary, plots) go to --output-path; re-running
-into it reuses the measurements.
+    python benchmarks/serve_sweep.py    # 2K shared, 12 trajectories (+ 2 calibration, 4 warm-up), 16 output
+                                        # tokens, torch's default threads, 1 repeat, -o runs/serve-sweep-bench
+    python benchmarks/serve_sweep.py --shared-tokens 256 --trajectories 2 --output-tokens 16   # smoke run
+    OMP_NUM_THREADS=1 python benchmarks/serve_sweep.py ...   # or --threads 1, on a machine that is busy
+
+Results (config, traces, service/requests JSONL, summary, plots, command.txt) go to --output-path;
+re-running into it reuses the measurements.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Summary, append_header, fmt, print_header, spread_verdict  # noqa: E402
 
 METHODS = "nonshared,fullshared,kvcomm,graphflow,kvcmas"
 UTILIZATIONS = "0.25,0.5,0.75,0.9,1.0"
@@ -60,55 +71,88 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--threads",
         type=int,
-        default=1,
-        help="torch intra-op threads (default 1: on a busy 2-core machine 2 threads spin against "
-        "each other and run many times slower; 0 = torch default)",
+        default=0,
+        help="torch intra-op threads (default 0: torch's default, all cores or OMP_NUM_THREADS; on a busy "
+        "machine use 1: 2 threads on a busy 2-core machine spin against each other and run many times slower)",
     )
     ap.add_argument("--burstiness", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output-path", "-o", default="runs/serve-sweep-bench")
+    ap.add_argument("--output-path", "-o", default="runs/serve-sweep-bench", help="default runs/serve-sweep-bench")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure the whole sweep N times (into <output-path>/repeat-1 .. repeat-N when N > 1) and "
+        "summarize the figures over them (default 1)",
+    )
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
 
     import torch
-    from rich import box
     from rich.console import Console
-    from rich.table import Table
 
     from kvcmas_bench.errors import BenchError
-    from kvcmas_bench.jobs.sweep import evaluate_service, serve_sweep
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    print_header(argv)
     console = Console()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    root = Path(args.output_path)
+    outs = [root] if args.repeats == 1 else [root / f"repeat-{i}" for i in range(1, args.repeats + 1)]
+    figures = []
+    for i, out in enumerate(outs):
+        if args.repeats > 1:
+            console.print(f"\n[bold]repeat {i + 1} of {args.repeats}[/bold]: {out}")
+        try:
+            fig = one_sweep(args, argv, methods, out, console)
+        except BenchError as exc:
+            print(f"serve_sweep: error: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(fig, str):
+            print(f"serve_sweep: error: {fig}", file=sys.stderr)
+            return 2
+        figures.append(fig)
+    if args.repeats > 1:
+        append_header(root / "command.txt", argv)
+        over_repeats(console, methods, figures)
+    console.print(f"torch threads {torch.get_num_threads()}; {spread_verdict()}", soft_wrap=True)
+    return 0
+
+
+def one_sweep(args, argv, methods: list[str], out: Path, console) -> dict | str:
+    """Measure, replay and print one sweep into ``out`` (its command appended to ``command.txt``);
+    its headline figures, or an error line."""
+    from rich import box
+    from rich.table import Table
+
+    from kvcmas_bench.jobs.sweep import evaluate_service, serve_sweep
+    from kvcmas_bench.results.outdir import lock_output_dir
+
     t0 = time.perf_counter()
-    try:
-        single = serve_sweep(
-            methods,
-            [0],
-            [args.shared_tokens],
-            args.trajectories,
-            args.output_path,
-            model=args.model,
-            device=args.device,
-            dtype=args.dtype,
-            seed=args.seed,
-            burstiness=args.burstiness,
-            output_tokens=args.output_tokens,
-            calib_trajectories=args.calib_trajectories,
-            warmup_trajectories=args.warmup_trajectories,
-            plots=False,
-            console=console,
-            show_table=False,
-        )
-    except BenchError as exc:
-        print(f"serve_sweep: error: {exc}", file=sys.stderr)
-        return 2
+    single = serve_sweep(
+        methods,
+        [0],
+        [args.shared_tokens],
+        args.trajectories,
+        str(out),
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        burstiness=args.burstiness,
+        output_tokens=args.output_tokens,
+        calib_trajectories=args.calib_trajectories,
+        warmup_trajectories=args.warmup_trajectories,
+        plots=False,
+        console=console,
+        show_table=False,
+    )
     measured_s = time.perf_counter() - t0
     rows = {r["method"]: r for r in single["rows"]}
     if "nonshared" not in rows:
-        print("serve_sweep: error: the QPS grid is derived from nonshared; include it in --methods", file=sys.stderr)
-        return 2
+        return "the QPS grid is derived from nonshared; include it in --methods"
     t_ns = rows["nonshared"]["trajectory_service_mean_s"]
     utils = sorted(float(u) for u in args.utilizations.split(","))
     grid: list[float] = []
@@ -118,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     else:  # always end on the first QPS at which NonShared saturates
         grid.append(1.0 / t_ns * (1 + 1e-9))
-    summary = evaluate_service(args.output_path, [0.0] + grid, console=None)
+    summary = evaluate_service(str(out), [0.0] + grid, console=None)
 
     table = Table(
         box=box.SIMPLE_HEAD,
@@ -153,30 +197,62 @@ def main(argv: list[str] | None = None) -> int:
         )
     console.print(svc)
 
+    fig: dict = {
+        "service": {
+            m: {k: by[(m, 0.0)][k] for k in ("trajectory_service_mean_s", "service_ttft_mean_s")} for m in methods
+        },
+        "speedup": None,
+    }
     sustained = [q for q in qps_all if q > 0 and not by[("nonshared", q)]["saturated"]]
     if "kvcmas" in methods and sustained:
         q = max(sustained)
         k = by[("kvcmas", q)]
+        fig["utilization"] = by[("nonshared", q)]["utilization"]
         console.print(
             f"KVCMAS TTFT speedup (other / KVCMAS) at QPS {q:.3g}, the highest NonShared sustains "
-            f"(utilization {by[('nonshared', q)]['utilization']:.2f}):"
+            f"(utilization {fig['utilization']:.2f}):"
         )
+        fig["speedup"] = {}
         for m in methods:
             if m == "kvcmas":
                 continue
             o = by[(m, q)]
+            fig["speedup"][m] = (o["ttft_p50_s"] / k["ttft_p50_s"], o["ttft_p90_s"] / k["ttft_p90_s"])
             goal = "  (goal >= 2x)" if m == "nonshared" else ""
-            console.print(
-                f"  vs {m:<12} p50 {o['ttft_p50_s'] / k['ttft_p50_s']:.2f}x   "
-                f"p90 {o['ttft_p90_s'] / k['ttft_p90_s']:.2f}x{goal}"
-            )
-        console.print(breakdown(Path(args.output_path) / "service.jsonl", methods))
+            console.print(f"  vs {m:<12} p50 {fig['speedup'][m][0]:.2f}x   p90 {fig['speedup'][m][1]:.2f}x{goal}")
+        console.print(breakdown(out / "service.jsonl", methods))
     elif "kvcmas" in methods:
         console.print("no QPS below NonShared saturation in the grid; lower --utilizations")
-    console.print(
-        f"[dim]measurement {measured_s:.0f} s; results in {args.output_path}/ ({', '.join(summary['plots'])})[/dim]"
-    )
-    return 0
+    with lock_output_dir(out):  # the sweep is written; appended while no other process writes there
+        append_header(out / "command.txt", argv)
+    console.print(f"[dim]measurement {measured_s:.0f} s; results in {out}/ ({', '.join(summary['plots'])})[/dim]")
+    return fig
+
+
+def over_repeats(console, methods: list[str], figures: list[dict]) -> None:
+    """min / median / max over the repeats of the figures the sweep's conclusions rest on."""
+    n = len(figures)
+    console.print(f"\n[bold]over {n} repeats[/bold] (min / median / max; spread = (max - min) / median)")
+    for key, label in (("trajectory_service_mean_s", "mean trajectory service"), ("service_ttft_mean_s", "mean TTFT")):
+        console.print(f"  {label} (s), measured in isolation:")
+        for m in methods:
+            console.print(
+                f"    {m:<12} {fmt(Summary.of(f['service'][m][key] for f in figures))}", highlight=False, soft_wrap=True
+            )
+    with_speedup = [f for f in figures if f["speedup"] is not None]
+    if "kvcmas" not in methods:
+        return
+    if len(with_speedup) < n:
+        console.print(f"  KVCMAS speedups: {n - len(with_speedup)} of {n} repeats had no QPS NonShared sustains")
+    if not with_speedup:
+        return
+    console.print("  KVCMAS TTFT speedup (other / KVCMAS) at the highest QPS NonShared sustains in each repeat:")
+    for m in methods:
+        if m == "kvcmas":
+            continue
+        for i, p in enumerate(("p50", "p90")):
+            s = Summary.of(f["speedup"][m][i] for f in with_speedup)
+            console.print(f"    vs {m:<12} {p} {fmt(s, 'x', 2)}", highlight=False, soft_wrap=True)
 
 
 def breakdown(service_path: Path, methods: list[str]):

@@ -11,13 +11,22 @@ speed, so one QPS grid cannot load both. Prints p50/p90 TTFT per engine, method 
 TTFT ratios NonShared / method at the highest QPS NonShared sustains on each engine (in-process:
 utilization < 1; vLLM: trajectories complete as fast as they arrive, drain ratio <= 1.25).
 
-Run it with a Python that has vLLM (``bash scripts/setup.sh --vllm``), one thread per engine:
+Run it with a Python that has vLLM (``bash scripts/setup.sh --vllm``), one thread per engine
+(torch threads = ``OMP_NUM_THREADS``, default 1):
 
     OMP_NUM_THREADS=1 python benchmarks/serve_sweep_vllm.py --shared-tokens 512,1024 --trajectories 6 \\
-        --output-tokens 16 -o runs/vllm-bench
+        --output-tokens 16 --calib-trajectories 2 --qps-factors 0.5,0.9,1.5,2 -o runs/vllm-bench   # the defaults
 
 Results: ``-o``/``<shared>/in-process`` and ``-o``/``<shared>/vllm`` (ordinary serve-sweep
-directories: config, traces, requests, summary, plots), and ``-o``/``comparison.json``.
+directories: config, traces, requests, summary, plots), ``-o``/``comparison.json`` (first keys:
+``command``, ``date``, ``git``, ``machine``; then ``results``) and ``-o``/``command.txt`` (the
+header of every measuring run, appended). The printed output starts with the same header.
+
+``--repeats N`` (default 1) measures everything N times, into ``-o``/repeat-1 ... repeat-N (each laid
+out as above), and ends with min / median / max over the repeats of every TTFT ratio, with the
+spread (max - min) / median flagged "SPREAD > 20%: not reproducible on this machine now" above
+20%; ``-o``/comparison.json then holds ``repeats`` (each repeat's results) and ``summary``.
+``--report-only`` re-reads ``-o`` (its repeat-* directories when there are any).
 """
 
 from __future__ import annotations
@@ -30,6 +39,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import Summary, append_header, fmt, print_header, provenance, spread_verdict  # noqa: E402
 
 METHODS = "nonshared,fullshared,kvcmas,kvcomm"
 
@@ -107,7 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-arg", action="append", default=[], help="vLLM engine option KEY=VALUE (repeatable)")
     ap.add_argument("--output-path", "-o", default="runs/vllm-bench")
     ap.add_argument("--report-only", action="store_true", help="print the tables of an existing --output-path")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure everything N times (into <output-path>/repeat-1 .. repeat-N when N > 1) and summarize "
+        "the TTFT ratios over them (default 1)",
+    )
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
 
     import torch
     from rich.console import Console
@@ -115,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvcmas_bench.errors import BenchError
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    print_header(argv)
     console = Console(width=max(100, Console().width))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if "nonshared" not in methods:
@@ -124,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     factors = [float(x) for x in args.qps_factors.split(",") if x.strip()]
     engine_options = dict(kv.split("=", 1) for kv in args.engine_arg)
     root = Path(args.output_path)
+    if args.report_only:
+        found = [p for p in root.glob("repeat-*") if p.name[len("repeat-") :].isdigit()]
+        roots = sorted(found, key=lambda p: int(p.name[len("repeat-") :])) or [root]
+    else:
+        roots = [root] if args.repeats == 1 else [root / f"repeat-{i}" for i in range(1, args.repeats + 1)]
     common = dict(
         model=args.model,
         dtype=args.dtype,
@@ -134,16 +161,40 @@ def main(argv: list[str] | None = None) -> int:
         show_table=False,
         progress=lambda msg: console.print(f"[dim]{msg}[/dim]"),
     )
-    results: dict = {}
-    try:
+    every: list[dict] = []
+    for i, r in enumerate(roots):
+        if len(roots) > 1:
+            console.print(f"\n[bold]repeat {i + 1} of {len(roots)}[/bold]: {r}")
+        try:
+            if not args.report_only:
+                run_all(args, methods, lengths, factors, engine_options, r, common)
+                append_header(r / "command.txt", argv)
+            results = report(console, r, lengths, methods)
+        except BenchError as exc:
+            print(f"serve_sweep_vllm: error: {exc}", file=sys.stderr)
+            return 2
+        write_comparison(r / "comparison.json", argv, {"results": results})
+        every.append(results)
+    if len(roots) > 1:
         if not args.report_only:
-            run_all(args, methods, lengths, factors, engine_options, root, common)
-    except BenchError as exc:
-        print(f"serve_sweep_vllm: error: {exc}", file=sys.stderr)
-        return 2
+            append_header(root / "command.txt", argv)
+        summary = over_repeats(console, lengths, methods, every)
+        write_comparison(root / "comparison.json", argv, {"repeats": every, "summary": summary})
+    console.print(f"torch threads {torch.get_num_threads()}; {spread_verdict()}", soft_wrap=True)
+    return 0
 
+
+def report(console, root: Path, lengths: list[int], methods: list[str]) -> dict:
+    """Print the tables and ratios of one measurement under ``root``; the ratios per length and engine."""
+    from kvcmas_bench.errors import BenchError
+
+    results: dict = {}
     for s in lengths:
-        by_engine = {engine: rows_of(root / str(s) / engine) for engine in ("in-process", "vllm")}
+        by_engine = {}
+        for engine in ("in-process", "vllm"):
+            if not (root / str(s) / engine / "requests.jsonl").is_file():
+                raise BenchError(f"{root / str(s) / engine} holds no requests.jsonl (run without --report-only)")
+            by_engine[engine] = rows_of(root / str(s) / engine)
         _table(console, s, by_engine, methods)
         results[s] = {e: ratios(by, methods) for e, by in by_engine.items()}
     console.print("TTFT ratio NonShared / method at the highest QPS NonShared sustains (> 1: faster than NonShared)")
@@ -154,8 +205,37 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cells = "  ".join(f"{m} p50 {r[m]['p50_ratio']:.2f}x p90 {r[m]['p90_ratio']:.2f}x" for m in methods[1:])
             console.print(f"  {s:>5} shared, {engine:<10} at QPS {r['qps']:.3g}: {cells}")
-    (root / "comparison.json").write_text(json.dumps(results, indent=1))
-    return 0
+    return results
+
+
+def over_repeats(console, lengths: list[int], methods: list[str], every: list[dict]) -> dict:
+    """min / median / max over the repeats of every TTFT ratio NonShared / method (printed and returned)."""
+    n = len(every)
+    console.print(
+        f"\n[bold]over {n} repeats[/bold]: TTFT ratio NonShared / method at the highest QPS NonShared sustains "
+        "(min / median / max; spread = (max - min) / median)"
+    )
+    out: dict = {}
+    for s in lengths:
+        for engine in ("in-process", "vllm"):
+            got = [res[s][engine] for res in every if res[s][engine] is not None]
+            if len(got) < n:
+                console.print(f"  {s:>5} shared, {engine}: NonShared saturated at every QPS in {n - len(got)} of {n}")
+            if not got:
+                continue
+            for m in methods[1:]:
+                for p in ("p50", "p90"):
+                    sm = Summary.of(r[m][f"{p}_ratio"] for r in got)
+                    out.setdefault(str(s), {}).setdefault(engine, {}).setdefault(m, {})[f"{p}_ratio"] = sm.as_dict()
+                    console.print(
+                        f"  {s:>5} shared, {engine:<10} {m:<12} {p} {fmt(sm, 'x', 2)}", highlight=False, soft_wrap=True
+                    )
+    return out
+
+
+def write_comparison(path: Path, argv, body: dict) -> None:
+    """``comparison.json``: the command, date, git revision and machine first, then ``body``."""
+    path.write_text(json.dumps({**provenance(argv), **body}, indent=1))
 
 
 def run_all(args, methods, lengths, factors, engine_options, root: Path, common: dict) -> None:
