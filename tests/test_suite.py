@@ -49,7 +49,7 @@ def args(model: str, out, *extra: str) -> list[str]:
     [
         (["--methods", "nope"], "unknown method"),
         (["--workloads", "mmlu,nope"], "unknown workload"),
-        (["--method-arg", "bogus=1"], "--bogus does not apply"),
+        (["--method-arg", "bogus=1"], "unknown method option 'bogus'"),
         (["--methods", "cacheblend", "--rho", "1.5"], "rho"),
         (["--workloads", "videomme"], "videomme"),
         (["--limit", "0"], "--limit"),

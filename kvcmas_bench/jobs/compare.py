@@ -35,6 +35,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from ..errors import BenchError
@@ -371,7 +372,7 @@ def field_differences(scope: str, m: pd.DataFrame, keys: list[str], fields, what
             bad = [i for i, (x, y) in enumerate(zip(m[f"{f}_b"], m[f"{f}_c"])) if _differ(x, y)]
         if bad:
             row = m.iloc[bad[0]]
-            where = " ".join(f"{k} {row[k]}" for k in keys)
+            where = " ".join(f"{k} {_plain(row[k])}" for k in keys)
             out.append(
                 f"{scope}: {f} differs in {len(bad)} of {len(m)} {what} (first: {where}: "
                 f"{_show(row[f'{f}_b'])} -> {_show(row[f'{f}_c'])})"
@@ -379,8 +380,21 @@ def field_differences(scope: str, m: pd.DataFrame, keys: list[str], fields, what
     return out
 
 
+def _plain(v):
+    """A value as plain Python (``np.True_`` -> ``True``, ``np.int64(3)`` -> ``3``, arrays -> lists)."""
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return [_plain(x) for x in v.tolist()]
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return {_plain(k): _plain(x) for k, x in v.items()}
+    return v
+
+
 def _show(v) -> str:
-    text = repr(v)
+    text = repr(_plain(v))
     return text if len(text) <= 40 else text[:37] + "..."
 
 

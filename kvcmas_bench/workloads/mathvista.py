@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from ..errors import BenchError
-from .base import Role, Workload, load_hub, register
+from .base import DataRow, Role, Workload, first_line, indexed_rows, jsonl_rows, load_hub, register
 from .gsm8k import _boxed, extract_number, normalize_number
 from .visual import VisualContent, VisualSample
 
@@ -173,7 +173,7 @@ class MathVista(Workload):
         if p.is_dir():
             return self._from_dataset(self._load_hub(str(p)), str(p))
         if p.is_file():
-            return self._from_rows(self._read_annotations(p), p.parent, str(p))
+            return self._from_rows(self._read_annotations(p), p.parent)
         raise BenchError(
             f"MathVista data not found: {dp} (use a local snapshot of {REPO}, an annotation "
             f".json/.jsonl file, or 'hub')"
@@ -185,19 +185,24 @@ class MathVista(Workload):
         return load_hub(repo, split=SPLIT, what=f"MathVista ({repo}, split {SPLIT})")
 
     @staticmethod
-    def _read_annotations(path: Path) -> list[dict]:
+    def _read_annotations(path: Path) -> list[DataRow]:
+        """The annotation rows of a .jsonl (by line) or .json file (a list by index, or the hub's
+        ``annot_testmini.json`` dict keyed by pid)."""
+        if path.suffix == ".jsonl":
+            return jsonl_rows(path, "MathVista annotations", "MathVista")
         try:
-            text = path.read_text(encoding="utf-8")
-            if path.suffix == ".jsonl":
-                return [json.loads(ln) for ln in text.splitlines() if ln.strip()]
-            data = json.loads(text)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BenchError(f"cannot read MathVista annotations {path}: {exc}") from None
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise BenchError(f"cannot read MathVista annotations {path}: {first_line(exc)}") from None
         if isinstance(data, dict):
-            data = [dict(v, pid=v.get("pid", k)) for k, v in data.items()]
+            rows = []
+            for i, (pid, v) in enumerate(data.items()):
+                row = DataRow(v, "MathVista", i, f"{path}, pid {pid}")
+                rows.append(DataRow({**v, "pid": v.get("pid", pid)}, "MathVista", i, row.where))
+            return rows
         if not isinstance(data, list):
             raise BenchError(f"MathVista annotations {path} must be a list or a dict keyed by pid")
-        return data
+        return indexed_rows(data, "MathVista", path)
 
     def _from_dataset(self, ds, where: str) -> list:
         cols = set(getattr(ds, "column_names", []) or [])
@@ -208,9 +213,9 @@ class MathVista(Workload):
         def loader(i: int):
             return lambda: [ds[i]["decoded_image"]]
 
-        return [self._sample(r, i, loader(i), where) for i, r in enumerate(rows)]
+        return [self._sample(row, loader(row.index)) for row in indexed_rows(rows, "MathVista", where)]
 
-    def _from_rows(self, rows: list[dict], root: Path, where: str) -> list:
+    def _from_rows(self, rows: list[DataRow], root: Path) -> list:
         def loader(rel: str):
             def load():
                 from PIL import Image
@@ -224,34 +229,31 @@ class MathVista(Workload):
 
             return load
 
-        out = []
-        for i, r in enumerate(rows):
-            if not r.get("image"):
-                raise BenchError(f"MathVista row {i} in {where} has no image path")
-            out.append(self._sample(r, i, loader(str(r["image"])), where))
-        return out
+        return [self._sample(row, loader(row.text("image"))) for row in rows]
 
-    def _sample(self, r: dict, i: int, images, where: str):
-
-        try:
-            pid = str(r.get("pid", i))
-            qtype = r["question_type"]
-            atype = r.get("answer_type") or "text"
-            choices = list(r["choices"]) if r.get("choices") else None
-            precision = r.get("precision")
-            precision = int(precision) if precision not in (None, "") else None
-            answer = r["answer"]
-            if qtype == "multi_choice":
-                if not choices or str(answer) not in [str(c) for c in choices]:
-                    raise ValueError("multi_choice answer is not one of the choices")
-                gold = LETTERS[[str(c) for c in choices].index(str(answer))]
-            else:
-                gold = normalize(answer, atype, precision)
-                if gold is None:
-                    raise ValueError(f"cannot normalize answer {answer!r} as {atype}")
-            query = r.get("query") or build_query(r["question"], choices)
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise BenchError(f"bad MathVista row {i} in {where}: {exc}") from None
+    def _sample(self, row: DataRow, images):
+        pid = row.scalar("pid", required=False) or str(row.index)
+        qtype = row.text("question_type")
+        atype = row.text("answer_type", required=False, empty=True) or "text"
+        choices = row.strings("choices", required=False) or None
+        precision = row.get("precision", int, float, str, required=False)
+        if precision in ("", None):
+            precision = None
+        else:
+            try:
+                precision = int(float(precision))
+            except ValueError:
+                raise row.error(f"field 'precision' must be an integer, got {precision!r}") from None
+        answer = row.scalar("answer")
+        if qtype == "multi_choice":
+            if not choices or answer not in choices:
+                raise row.error("multi_choice answer is not one of the choices")
+            gold = LETTERS[choices.index(answer)]
+        else:
+            gold = normalize(answer, atype, precision)
+            if gold is None:
+                raise row.error(f"cannot normalize answer {answer!r} as {atype}")
+        query = row.text("query", required=False, empty=True) or build_query(row.text("question"), choices)
         key = f"mathvista:{pid}"
         meta = {
             "pid": pid,
@@ -259,8 +261,8 @@ class MathVista(Workload):
             "answer_type": atype,
             "precision": precision,
             "choices": choices,
-            "answer": str(answer),
-            "image": r.get("image"),
+            "answer": answer,
+            "image": row.data.get("image"),
         }
         return VisualSample(
             id=f"mathvista-{pid}",

