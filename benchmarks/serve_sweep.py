@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--burstiness", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--matched-rho",
+        default=None,
+        help="serve at a matched reuse ratio: DELTA[,RECOMPUTE], or the paper's pairs paper-0.8 / paper-0.6",
+    )
     ap.add_argument("--output-path", "-o", default="runs/serve-sweep-bench", help="default runs/serve-sweep-bench")
     ap.add_argument(
         "--repeats",
@@ -145,6 +150,7 @@ def one_sweep(args, argv, methods: list[str], out: Path, console) -> dict | str:
         output_tokens=args.output_tokens,
         calib_trajectories=args.calib_trajectories,
         warmup_trajectories=args.warmup_trajectories,
+        matched_rho=args.matched_rho,
         plots=False,
         console=console,
         show_table=False,

@@ -121,7 +121,7 @@ def run(
     ),
     seed: int = typer.Option(0, help="Seed of the sample subset/order."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     subjects: str | None = typer.Option(None, help="MMLU subjects, comma-separated (e.g. 'anatomy,virology')."),
     data_path: str | None = typer.Option(
         None,
@@ -235,7 +235,7 @@ def serve_sweep_cmd(
     output_path: str = typer.Option("runs/serve-sweep", "--output-path", "-o", help="Output directory (resumable)."),
     model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     seed: int = typer.Option(0, help="Seed of the traces and arrivals."),
     burstiness: float = typer.Option(1.0, help="Gamma shape of inter-arrival gaps (1 = Poisson), as vllm bench serve."),
     output_tokens: int = typer.Option(128, help="Tokens each agent generates (EOS ignored, as --ignore-eos)."),
@@ -251,6 +251,15 @@ def serve_sweep_cmd(
     rank: int | None = typer.Option(None, help="KVCMAS rank."),
     anchors: int | None = typer.Option(None, help="Anchor pool size."),
     rho: float | None = typer.Option(None, help="Reuse ratio of the recomputation methods."),
+    matched_rho: str | None = typer.Option(
+        None,
+        "--matched-rho",
+        help="Serve every method at a matched reuse ratio: DELTA[,RECOMPUTE], or the paper's pairs paper-0.8 "
+        "(= 0.8,0.9) and paper-0.6 (= 0.6,0.8). A seeded schedule, the same for every method, prefills 1 - DELTA "
+        "of the eligible shared tokens densely and reuses the rest (FullShared, GraphFlow, KVComm, KVCMAS, "
+        "whatever their gates say); CacheBlend/DroidSpeak/RelayCaching get --rho RECOMPUTE (default DELTA). "
+        "Without it the gated methods reach the rho their tau gives.",
+    ),
     anchor_dtype: str | None = typer.Option(None, help="KVCMAS/KVComm anchor storage dtype."),
     method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
     engine: str = typer.Option(
@@ -266,8 +275,9 @@ def serve_sweep_cmd(
     """Serve controlled 4-agent traces with every method across QPS. The in-process engine measures
     each request once (one request at a time) and replays Poisson arrivals at every QPS on a
     virtual-clock FCFS server; --engine vllm serves them for real with continuous batching (a KV
-    connector injects the shared caches). Writes requests.jsonl, summary.json (TTFT p50/p90/p99 ...)
-    and TTFT-vs-QPS plots."""
+    connector injects the shared caches). Writes requests.jsonl, summary.json (TTFT p50/p90/p99 split
+    into own service and queueing, realized rho ...) and TTFT-vs-QPS plots. --matched-rho compares
+    the methods at matched amounts of dense prefill (paper Figure 5)."""
     from .jobs.sweep import serve_sweep
 
     serve_sweep(
@@ -289,6 +299,7 @@ def serve_sweep_cmd(
         backend=engine,
         engine_options=_pairs("--engine-arg", engine_arg),
         method_args=knob_args(method_arg, tau=tau, rank=rank, anchors=anchors, rho=rho, anchor_dtype=anchor_dtype),
+        matched_rho=matched_rho,
     )
     err.print(f"results in {output_path}/ (summary.json, requests.jsonl, service.jsonl, traces.jsonl, plots)")
 
@@ -307,7 +318,7 @@ def coverage_cmd(
     rho: str = typer.Option("0.9,0.8", help="Reuse ratios; the recomputation budget is 1 - rho."),
     model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     seed: int = typer.Option(0, help="Seed of the sample subset."),
     max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent."),
     output_path: str = typer.Option("runs/coverage", "--output-path", "-o", help="Directory for coverage.csv/json."),
@@ -360,7 +371,7 @@ def analyze_rank_cmd(
     ranks: str = typer.Option("1,2,4,8,16,32,64", help="Retained ranks of the reconstruction-error curve."),
     model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
     final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
     output_path: str = typer.Option("runs/analyze-rank", "--output-path", "-o", help="Output directory."),
@@ -408,7 +419,7 @@ def analyze_chain_cmd(
     seed: int = typer.Option(0, help="Seed of the sample subset."),
     model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
     final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
     topology: str = typer.Option("chain", help="Agent graph: chain, fan-out, fan-in or loop."),
@@ -492,7 +503,7 @@ def ablate_cmd(
     ),
     model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
     final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
     fidelity: bool = typer.Option(True, help="Record KV error and first-token agreement against dense."),
@@ -548,7 +559,7 @@ def suite_cmd(
     output_path: str = typer.Option("runs/suite", "--output-path", "-o", help="Suite directory; re-running resumes."),
     model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
     final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
     fidelity: bool = typer.Option(False, help="Record KV error, first-token agreement and KL against dense."),
@@ -632,10 +643,9 @@ def compare_cmd(
 ) -> None:
     """Compare a candidate against a baseline: one-line verdict on stdout; exit 0 pass, 1 regression,
     2 unusable input (missing, corrupt or incomparable: other model, samples or seed)."""
-    from pathlib import Path
-
     from .jobs.compare import Limits, compare, parse_threshold
     from .jobs.compare import markdown as to_markdown
+    from .results.outdir import check_output_file, write_output_file
 
     lim = Limits(
         accuracy_drop=parse_threshold("--max-accuracy-drop", max_accuracy_drop),
@@ -648,9 +658,11 @@ def compare_cmd(
         exact=exact,
         significance=significance,
     )
+    if markdown:  # an unwritable report path is unusable input (exit 2), found before any comparison
+        check_output_file(markdown, "--markdown")
     cmp = compare(baseline, candidate, lim)
     if markdown:
-        Path(markdown).write_text(to_markdown(cmp), encoding="utf-8")
+        write_output_file(markdown, to_markdown(cmp))
     from .console import print_compare
 
     print_compare(cmp, err)
@@ -726,6 +738,12 @@ def _fail(msg: str) -> None:
     sys.exit(2)
 
 
+def _os_error(exc: OSError) -> str:
+    """``cannot write /x/y: No space left on device``: an OSError as one line."""
+    reason = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
+    return f"{reason}: {exc.filename}" if exc.filename else reason
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point with one-line errors and exit code 2."""
     import logging
@@ -748,6 +766,8 @@ def main(argv: list[str] | None = None) -> None:
         rc = cmd.main(args=argv, prog_name="kvcmas-bench", standalone_mode=False)
     except BenchError as exc:
         _fail(str(exc))
+    except OSError as exc:  # a file or folder the up-front checks could not foresee (disk full, permissions)
+        _fail(_os_error(exc))
     except click_exc.ClickException as exc:
         _fail(" ".join(exc.format_message().split()))
     except Interrupted as exc:

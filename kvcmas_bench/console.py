@@ -160,15 +160,46 @@ SWEEP_COLUMNS = (
     Column("shared_tokens", "shared tokens", "int", 1),
     Column("qps", "QPS", "num", 0),
     Column("util_cell", "util", "raw", 0),
+    Column("reuse_ratio", "rho", "rho", 0),
+    Column("rho_target", "rho set", "rho", 2),
     Column("ttft_p50_s", "TTFT p50", "s", 0),
+    Column("ttft_p50_queue_s", "p50 queue", "s", 1),
     Column("ttft_p90_s", "p90", "s", 0),
-    Column("ttft_p99_s", "p99", "s", 3),
-    Column("ttft_mean_s", "mean", "s", 6),
-    Column("throughput_tok_s", "tok/s", "num", 5),
-    Column("peak_mem_bytes", "peak MiB", "MiB", 4),
-    Column("kv_state_peak_bytes", "KV+state MiB", "MiB", 6),
-    Column("reuse_ratio", "rho", "rho", 2),
-    Column("service_e2e_mean_s", "svc s", "s", 2),
+    Column("ttft_p90_queue_s", "p90 queue", "s", 2),
+    Column("ttft_p99_s", "p99", "s", 4),
+    Column("ttft_mean_s", "mean", "s", 7),
+    Column("throughput_tok_s", "tok/s", "num", 6),
+    Column("peak_mem_bytes", "peak MiB", "MiB", 5),
+    Column("kv_state_peak_bytes", "KV+state MiB", "MiB", 7),
+    Column("service_e2e_mean_s", "svc s", "s", 3),
+)
+#: columns left out of a console table when no row has a value (``rho set`` without --matched-rho)
+OPTIONAL_SWEEP_COLUMNS = ("rho_target",)
+
+#: where each point's TTFT goes: the columns of :func:`kvcmas_bench.serving.metrics.ttft_breakdown`
+TTFT_SPLIT_COLUMNS = (
+    Column("method", "method", "text", 0, "left"),
+    Column("shared_tokens", "shared tokens", "int", 1),
+    Column("qps", "QPS", "num", 0),
+    Column("reuse_ratio", "rho", "rho", 0),
+    Column("ttft_p50_s", "TTFT p50", "s", 0),
+    Column("ttft_p50_service_s", "svc", "s", 0),
+    Column("ttft_p50_service_shared_dense_s", "svc dense", "s", 3),
+    Column("ttft_p50_service_shared_reuse_s", "svc reuse", "s", 3),
+    Column("ttft_p50_queue_s", "queue", "s", 0),
+    Column("ttft_p50_queue_dense_s", "q behind dense", "s", 2),
+    Column("ttft_p90_s", "p90", "s", 0),
+    Column("ttft_p90_service_s", "p90 svc", "s", 1),
+    Column("ttft_p90_queue_s", "p90 queue", "s", 1),
+    Column("ttft_p90_queue_dense_s", "p90 q behind dense", "s", 4),
+    Column("queue_dense_share", "share of queue behind dense", "rho", 0),
+    Column("dense_fallback_share", "dense fallback reqs", "rho", 5),
+)
+TTFT_SPLIT_NOTE = (
+    "TTFT pXX = svc + queue, the parts of the request(s) at that rank. svc: the request's own service (svc dense: "
+    "its shared segments prefilled densely; svc reuse: reused/corrected/recomputed ones incl. gate and reference; "
+    "the rest: private prefill, first token). q behind dense: queueing while the server served a request that "
+    "prefilled a reuse-eligible shared segment densely (a dense fallback); its share of all queueing last."
 )
 
 
@@ -233,7 +264,21 @@ def print_sweep_table(summary: dict, console: Console) -> None:
         )
         star = f"* served for real: util = {what}"
         note = star if note is None else star + "\n" + note
-    console.print(fitted_table(console, title, SWEEP_COLUMNS, rows, note, "summary.json"))
+    matched = summary.get("matched_rho")
+    if matched:
+        what = f" (preset {summary['rho_preset']})" if summary.get("rho_preset") else ""
+        line = (
+            f"matched rho{what}: scheduled {matched['delta']:g} for FullShared/GraphFlow/KVComm/KVCMAS, "
+            f"rho {matched['recompute']:g} for the recomputation methods; rho = realized, rho set = target"
+        )
+        note = line if note is None else line + "\n" + note
+    cols = [
+        c for c in SWEEP_COLUMNS if c.key not in OPTIONAL_SWEEP_COLUMNS or any(r.get(c.key) is not None for r in rows)
+    ]
+    console.print(fitted_table(console, title, cols, rows, note, "summary.json"))
+    if any(r.get("ttft_p50_service_s") is not None for r in rows):
+        split_title = "where the TTFT goes (s): own service + queueing, at p50 and p90"
+        console.print(fitted_table(console, split_title, TTFT_SPLIT_COLUMNS, rows, TTFT_SPLIT_NOTE, "summary.json"))
 
 
 class SuiteProgress:

@@ -110,6 +110,8 @@ def test_interrupted_run_resumes_without_duplicates(tiny_model_dir, tmp_path, mo
         (["run", "--max-new-tokens", "-1"], "--max-new-tokens"),
         (["run", "--subjects", "astrology-of-cats", "--limit", "1"], "unknown MMLU subject"),
         (["run", "--bogus"], "No such option"),
+        (["run", "--method-arg", "nope=1"], "--method-arg nope=1: unknown method option 'nope'"),
+        (["run", "--workload", "mmlu", "--data-path", "/dev/null/x.jsonl"], "cannot read MMLU data"),
     ],
 )
 def test_bad_input_one_line_exit_2(args, needle):

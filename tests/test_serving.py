@@ -14,7 +14,7 @@ from kvcmas_bench.jobs.sweep import serve_sweep
 from kvcmas_bench.results.request import RequestRecord, SegmentRecord
 from kvcmas_bench.serving.arrivals import arrival_times, gaps
 from kvcmas_bench.serving.metrics import percentile
-from kvcmas_bench.serving.queueing import simulate
+from kvcmas_bench.serving.queueing import simulate, wait_behind
 from kvcmas_bench.serving.traces import CTX_SLOT, build_traces, load_traces, save_traces
 
 from .conftest import VOCAB, tiny_model
@@ -130,6 +130,20 @@ def test_queue_matches_hand_computed_example():
     assert all(s.queue_s == 0 for s in served)
 
 
+def test_waits_are_attributed_to_the_requests_being_served():
+    # the example above: B0 waits 0.5..2 behind A0, A1 waits 2..3 behind B0, B1 waits 3..6 behind A1;
+    # with A0 and A1 flagged (say, dense fallbacks) B0 waits 1.5 s behind flagged ones, A1 none, B1 3 s
+    served = simulate([[(1.0, 2.0), (0.5, 3.0)], [(0.2, 1.0), (0.4, 2.0)]], [0.0, 0.5])
+    flag = {(0, 0): True, (0, 1): True, (1, 0): False, (1, 1): False}
+    got = wait_behind([(s.arrival_s, s.start_s, s.completion_s, flag[(s.trajectory, s.agent_index)]) for s in served])
+    by = {(s.trajectory, s.agent_index): g for s, g in zip(served, got)}
+    assert by == pytest.approx({(0, 0): 0.0, (1, 0): 1.5, (0, 1): 0.0, (1, 1): 3.0})
+    # flagging everything attributes every wait whole; a wait partly covered counts only its overlap
+    every = wait_behind([(s.arrival_s, s.start_s, s.completion_s, True) for s in served])
+    assert every == pytest.approx([s.queue_s for s in served])
+    assert wait_behind([(0.0, 0.0, 2.0, True), (1.5, 2.0, 3.0, False)]) == pytest.approx([0.0, 0.5])
+
+
 # ---- traces --------------------------------------------------------------------------------------
 def test_traces_have_the_specified_structure_and_lengths():
     tok = FakeTokenizer()
@@ -243,6 +257,16 @@ def test_small_sweep_writes_summary_requests_and_plots(tmp_path, tiny_lm):
     svc = [json.loads(x) for x in (out / "service.jsonl").read_text().splitlines()]
     assert all(s["reused_tokens"] == 0 for s in svc if s["step"] == 0)
     assert all(s["eligible_tokens"] > 0 for s in svc if s["step"] > 0 and s["method"] == "kvcmas")
+    # without --matched-rho nothing is scheduled: traces saved as before, no rho target
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["matched_rho"] is None and "rho_schedule" not in cfg and cfg["method_args"] == {}
+    assert all("schedule" not in json.loads(x) for x in (out / "traces.jsonl").read_text().splitlines())
+    assert all(r["rho_target"] is None for r in rows) and saved["matched_rho"] is None
+    assert not any(seg.get("details", {}).get("gate", "").startswith("scheduled") for s in svc for seg in s["segments"])
+    # every point says where its TTFT goes (own service + queueing), adding up
+    for r in rows:
+        assert r["ttft_p50_queue_s"] + r["ttft_p50_service_s"] == pytest.approx(r["ttft_p50_s"])
+        assert r["ttft_mean_service_s"] == pytest.approx(r["service_ttft_mean_s"])
 
     # re-running into the same directory reuses the measurements; other QPS values only re-sweep
     from kvcmas_bench.jobs.sweep import evaluate_service

@@ -8,6 +8,14 @@ method), returning served timelines. QPS counts trajectory starts per second; ag
 arrives when agent ``j`` completes; QPS 0 is single stream. The in-process backend measures each
 request once in isolation and replays the service times on a one-request-at-a-time FCFS server.
 
+Matched reuse ratio (``matched_rho``, ``--matched-rho DELTA[,RECOMPUTE]`` or a paper preset): the
+evaluated trajectories of every shared length get one schedule, drawn from the seed and the same
+for every method (:func:`~kvcmas_bench.serving.traces.draw_schedule`), that makes ``1 - DELTA`` of
+each family's reuse-eligible shared tokens dense and the rest reused by FullShared, GraphFlow,
+KVComm and KVCMAS whatever their gates say; the selective-recomputation methods get ``rho =
+RECOMPUTE`` instead. Without it nothing is scheduled and ``--rho`` reaches the recomputation methods
+only, as before.
+
 Output directory: ``config.json``, ``traces.jsonl`` (replayable), ``service.jsonl`` (one isolated
 measurement a line, replaying backends), ``requests.jsonl`` (one served request per
 method/shared/qps a line, with its timeline), ``summary.json`` (one row per method/shared/qps) and
@@ -23,6 +31,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 from ..console import print_sweep_table
@@ -35,14 +44,105 @@ from ..results.request import RequestRecord
 from ..serving.arrivals import arrival_times, check_rate
 from ..serving.backends import BACKEND_LIMITS, Backend, check_backend, get_backend, replay_all
 from ..serving.metrics import DEFINITIONS, QPS_UNIT, capacity, mark_saturation, sweep_row
-from ..serving.traces import DEFAULT_ACCUMULATED_CONTEXT, N_AGENTS, Trace, build_traces, dump_traces, load_traces
+from ..serving.traces import (
+    DEFAULT_ACCUMULATED_CONTEXT,
+    N_AGENTS,
+    Trace,
+    apply_schedule,
+    build_traces,
+    dense_transitions,
+    dump_traces,
+    load_traces,
+    scheduled_rho,
+)
 
 # settings that change measured service times: a resumed output directory must match them
-MEASURE_KEYS = ("model", "dtype", "device", "backend", "method_args", "traces_sha256", "ignore_eos", "warmup")
+MEASURE_KEYS = (
+    "model",
+    "dtype",
+    "device",
+    "backend",
+    "method_args",
+    "matched_rho",
+    "traces_sha256",
+    "ignore_eos",
+    "warmup",
+)
 #: the workload whose questions form the shared context; its per-workload knob defaults (tau) apply
 TEXT_WORKLOAD = "mmlu"
 
 Measured = dict[tuple[str, int], list[list[RequestRecord]]]
+
+#: ``--matched-rho`` presets: the paper's serving pairs (Section 4.3, Appendix B.4): delta correction
+#: at rho 0.8 against selective recomputation at 0.9, and 0.6 against 0.8
+RHO_PRESETS = {"paper-0.8": (0.8, 0.9), "paper-0.6": (0.6, 0.8)}
+
+
+@dataclass(frozen=True)
+class MatchedRho:
+    """A matched reuse ratio: ``delta`` for the scheduled methods (the share of eligible shared
+    tokens they reuse), ``recompute`` for the selective-recomputation methods' ``rho`` knob."""
+
+    delta: float
+    recompute: float
+    preset: str | None = None
+
+    def config(self) -> dict:
+        return {"delta": self.delta, "recompute": self.recompute}
+
+
+def parse_matched_rho(value) -> MatchedRho | None:
+    """``"0.8"`` (both 0.8), ``"0.8,0.9"`` (DELTA,RECOMPUTE), a preset name (:data:`RHO_PRESETS`),
+    a ``(delta, recompute)`` pair or a :class:`MatchedRho`; None stays None."""
+    if value is None or isinstance(value, MatchedRho):
+        return value
+    preset = None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in RHO_PRESETS:
+            preset, parts = text, list(RHO_PRESETS[text])
+        else:
+            try:
+                parts = [float(x) for x in text.split(",") if x.strip()]
+            except ValueError:
+                parts = []
+            if not 1 <= len(parts) <= 2:
+                raise BenchError(
+                    f"--matched-rho takes DELTA[,RECOMPUTE] (numbers in [0, 1]) or one of "
+                    f"{', '.join(RHO_PRESETS)}, got {value!r}"
+                )
+    else:
+        parts = [float(x) for x in value]
+    if len(parts) == 1:
+        parts.append(parts[0])
+    for x in parts:
+        if not 0.0 <= x <= 1.0:
+            raise BenchError(f"--matched-rho values must lie in [0, 1], got {x:g}")
+    return MatchedRho(parts[0], parts[1], preset)
+
+
+def rho_role(cls) -> str | None:
+    """How a method meets a matched rho: "recompute" (its ``rho`` knob), "schedule" (it follows the
+    segments' schedule: FullShared, GraphFlow, KVComm, KVCMAS) or None (NonShared: reuses nothing)."""
+    from ..methods.base import Method
+
+    if "rho" in cls.knobs():
+        return "recompute"
+    return None if cls.materialize is Method.materialize else "schedule"
+
+
+def rho_target(config: dict, method: str) -> float | None:
+    """The rho ``method`` was set to under the sweep's matched rho (None without one)."""
+    from ..methods import method_class
+
+    m = config.get("matched_rho")
+    if not m:
+        return None
+    try:
+        role = rho_role(method_class(method))
+    except BenchError:  # a method no longer registered: its saved rows stay readable
+        return None
+    return {"recompute": m.get("recompute"), "schedule": m.get("delta")}.get(role)
 
 
 def validate(
@@ -247,7 +347,7 @@ def open_dir(out_dir: Path, config: dict, num_trajectories: int) -> Measured:
         if diff and diff[0] == "traces_sha256":
             raise BenchError(
                 f"{out_dir} holds a sweep measured on other traces (shared lengths, trajectories, "
-                "output tokens or seed differ); use another --output-path"
+                "output tokens, seed or matched-rho schedule differ); use another --output-path"
             )
         if diff:
             raise BenchError(
@@ -291,6 +391,7 @@ def serve_sweep(
     backend: Backend | str | None = None,
     warmup_trajectories: int = 0,
     engine_options: dict | None = None,
+    matched_rho=None,
 ) -> dict:
     """Serve every method on every shared length across all QPS values and write the results.
 
@@ -307,6 +408,9 @@ def serve_sweep(
     ``console``: rich Console for the table (default stdout); ``progress``: callback for one-line
     progress messages. ``warmup_trajectories``: held-out trajectories every method serves before
     measurement (online state warmed up as in a long-running service; excluded from statistics).
+    ``matched_rho``: serve every method at a matched reuse ratio (``"DELTA[,RECOMPUTE]"``, a
+    preset of :data:`RHO_PRESETS`, a pair or a :class:`MatchedRho`; see the module docstring); it
+    sets the recomputation methods' ``rho``, so ``method_args`` must not.
     Returns the summary dict (also written to ``output_path/summary.json``). Raises
     :class:`BenchError` on bad input.
     """
@@ -328,7 +432,9 @@ def serve_sweep(
         raise BenchError(f"--warmup-trajectories must be >= 0, got {warmup_trajectories}")
     engine_name = backend if isinstance(backend, str) else ("in-process" if backend is None else backend.name)
     names = engine_methods(engine_name, methods, names, backend)
-    specs = resolve_methods(names, method_args, get_workload(TEXT_WORKLOAD))
+    matched = parse_matched_rho(matched_rho)
+    # config.json keeps the user's method_args; the rho a matched rho gives is its own key (matched_rho)
+    specs = resolve_methods(names, _matched_method_args(matched, names, method_args), get_workload(TEXT_WORKLOAD))
     if isinstance(backend, str) or backend is None:
         check_backend(engine_name, specs)  # unknown engine, or methods it cannot run: before any model loads
     elif getattr(backend, "supports", None) is not None:
@@ -373,9 +479,11 @@ def serve_sweep(
             )
         )
         check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
+        schedule_groups(sweep, matched, say)
         traces_text = dump_traces(sweep.traces)
         config = sweep_config(sweep, backend, traces_text, method_args or {}, dtype, ignore_eos, warmup)
         config["engine_options"] = dict(engine_options or {})
+        config.update(matched_config(sweep, matched))
         saved = open_dir(out_dir, config, num_trajectories)  # checks the directory before anything is written
         atomic_write(out_dir / "traces.jsonl", traces_text)
         config["backend_config"] = backend.describe()
@@ -384,6 +492,74 @@ def serve_sweep(
         config["backend_config"] = backend.describe()
         write_json(out_dir / "config.json", config)
         return finish(out_dir, config, timelines, plots, console if show_table else None)
+
+
+def _matched_method_args(matched: MatchedRho | None, names: list[str], method_args: dict | None) -> dict | None:
+    """``method_args`` with ``rho = matched.recompute`` for the recomputation methods among ``names``."""
+    if matched is None:
+        return method_args
+    from ..methods import method_class
+
+    args = dict(method_args or {})
+    if args.get("rho") is not None:
+        raise BenchError(
+            "--rho and --matched-rho both set the recomputation methods' rho; give one "
+            "(--matched-rho DELTA,RECOMPUTE sets it to RECOMPUTE)"
+        )
+    if any(rho_role(method_class(n)) == "recompute" for n in names):
+        args["rho"] = matched.recompute
+    return args
+
+
+def schedule_groups(sweep: SweepSpec, matched: MatchedRho | None, say: Callable[[str], None]) -> None:
+    """Draw the matched-rho schedule of every shared length's evaluated trajectories (the same for
+    every method); held-out trajectories (calibration, warm-up) stay unscheduled: calibration needs
+    dense observations, and warm-up fills the pools as the method's own gate would. Without a
+    matched rho every schedule is cleared (a replayed ``traces.jsonl`` may hold one)."""
+    had = any(t.schedule for t in sweep.traces)
+    for s, (ev, held) in sweep.groups.items():
+        apply_schedule(held, None)
+        apply_schedule(ev, None if matched is None else matched.delta, sweep.seed)
+        if matched is not None:
+            got = scheduled_rho(ev)
+            say(
+                f"matched rho @ {s} shared tokens: schedule reuses {_share(got['source'])} of the source-eligible "
+                f"and {_share(got['reference'])} of the reference-eligible shared tokens "
+                f"(target {matched.delta:g}); recomputation rho {matched.recompute:g}"
+            )
+            if any(x is not None and abs(x - matched.delta) > 0.005 for x in got.values()):
+                k = Fraction(1 - matched.delta).limit_denominator(1000).denominator
+                say(
+                    f"  whole segments cannot reach {matched.delta:g} exactly with {len(ev)} trajectories: the "
+                    "first agents' contexts (eligible for KVComm, non-chained KVCMAS, GraphFlow only) are one "
+                    f"segment a trajectory; a multiple of {k} trajectories makes them exact"
+                )
+    if had and matched is None:
+        say("the trace file holds a matched-rho schedule; serving without it (give --matched-rho to apply one)")
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def matched_config(sweep: SweepSpec, matched: MatchedRho | None) -> dict:
+    """What ``config.json`` records of the matched rho: the targets, the preset, and per shared
+    length the schedule's rho per eligibility family and its dense transitions."""
+    if matched is None:
+        return {"matched_rho": None}
+    return {
+        "matched_rho": matched.config(),
+        "rho_preset": matched.preset,
+        "rho_schedule": {
+            s: {
+                "scheduled_rho": scheduled_rho(ev),
+                "dense": dense_transitions(ev),
+                "rule": "per stratum (source / reference-only segments), 1 - delta of the nominal shared tokens "
+                "dense, seeded by --seed; every other shared segment scheduled reuse",
+            }
+            for s, (ev, _) in sweep.groups.items()
+        },
+    }
 
 
 def serve_all(
@@ -427,7 +603,7 @@ def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, con
     rows, requests = [], []
     for (method, shared), per_qps in timelines.items():
         for q, served in per_qps.items():
-            rows.append(sweep_row(method, shared, q, served))
+            rows.append({**sweep_row(method, shared, q, served), "rho_target": rho_target(config, method)})
             requests.extend(r.to_dict() for r in served)
     _write_jsonl(out_dir / "requests.jsonl", requests)
     mark_saturation(rows)
@@ -441,6 +617,8 @@ def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, con
         "model": config.get("model"),
         "device": config.get("device"),
         "accumulated": config.get("accumulated"),
+        "matched_rho": config.get("matched_rho"),
+        "rho_preset": config.get("rho_preset"),
         "definitions": DEFINITIONS,
         "rows": rows,
         # saturated points (utilization >= 1: unstable queue) and the QPS NonShared can sustain

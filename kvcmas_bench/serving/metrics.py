@@ -4,6 +4,9 @@ Every backend returns :class:`~kvcmas_bench.results.RequestRecord` rows with the
 (arrival, start, first token, completion) and, where measured in isolation, their service TTFT/E2E;
 :func:`sweep_row` turns one (method, shared length, QPS) group of them into the row of
 ``summary.json`` and of the console table, in the manner of ``vllm bench serve``'s metrics.
+:func:`ttft_breakdown` is the one definition of where a request's TTFT goes (own service vs
+queueing, and the queueing spent behind dense fallbacks): the sweep rows, the console tables and the
+plots all read its columns.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import numpy as np
 
 from ..results.request import RequestRecord
 from ..results.summary import records_frame, reuse_ratio
+from .queueing import wait_behind
 
 PERCENTILES = (50, 90, 99)
 QPS_UNIT = "trajectory starts per second (each trajectory = 4 dependent agent requests)"
@@ -40,8 +44,38 @@ DEFINITIONS = {
     "before each method's measured trajectories where the OS allows (see backend_config)",
     "kv_state_peak_bytes": "max over requests of request KV + the trajectory's shared-segment store + "
     "method.state_bytes() (anchor pools, references, calibration tables)",
-    "reuse_ratio": "kvcmas_bench.results.summary.reuse_ratio over the measured requests",
+    "reuse_ratio": "kvcmas_bench.results.summary.reuse_ratio over the measured requests (the realized rho)",
+    "rho_target": "with --matched-rho: the rho the method was set to (the schedule's rho for FullShared, GraphFlow, "
+    "KVComm and KVCMAS; the rho knob for CacheBlend, DroidSpeak and RelayCaching); None otherwise",
+    "ttft_{p50,p90,mean}_{part}_s": "TTFT under load split into parts that add up to it: per request TTFT = queue "
+    "(arrival to start) + service (start to first token; in-process: the TTFT measured in isolation); service = "
+    "service_shared_dense (materialization time of shared segments prefilled densely, incl. the gate's time before "
+    "a fallback) + service_shared_reuse (of reused/corrected/recomputed ones: gate, context-free reference, "
+    "correction, recomputation) + service_other (private segments' prefill, the first token, engine overhead); "
+    "queue = queue_dense + queue_other. pXX: the parts of the request(s) at the pXX rank of TTFT, with numpy's "
+    "linear-interpolation weights, so they add up to ttft_pXX_s",
+    "queue_dense": "the seconds of a request's wait during which the one-request-at-a-time server was serving "
+    "requests whose service included a dense prefill of a reuse-eligible shared segment (a dense fallback: "
+    "scheduled, gated or, for NonShared, every one); this and the service_* parts are None for engines that serve "
+    "for real (batching: requests overlap, and method planning precedes submission)",
+    "queue_dense_share": "sum of queue_dense / sum of queue over the point's requests (None without queueing)",
+    "dense_fallback_share": "share of the point's requests whose service prefilled a reuse-eligible shared "
+    "segment densely",
+    "deferred_mean_s / decode_mean_s": "after the first token (not in TTFT, but occupying the server): anchor "
+    "construction (deferred_s) and the rest of completion - first token",
 }
+
+#: the parts of a request's TTFT under load (see DEFINITIONS): queue + service = TTFT
+TTFT_PARTS = (
+    "queue",
+    "queue_dense",
+    "queue_other",
+    "service",
+    "service_shared_dense",
+    "service_shared_reuse",
+    "service_other",
+)
+TTFT_PART_STATS = ("p50", "p90", "mean")
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -139,6 +173,81 @@ def load_metrics(requests: Sequence[RequestRecord]) -> dict:
     }
 
 
+def dense_fallback(r: RequestRecord) -> bool:
+    """Whether the request's service prefilled a reuse-eligible shared segment densely."""
+    return any(s.kind == "PH" and s.eligible and s.status == "exact" for s in r.segments)
+
+
+def request_parts(served: Sequence[RequestRecord]) -> list[dict]:
+    """Per request of one served timeline: its TTFT and the parts of :data:`TTFT_PARTS` (seconds).
+    Only queue and service unless every request has an isolated service time (replayed on the
+    one-request-at-a-time server, where waits can be attributed and the service is the measured
+    one); the finer parts are None otherwise."""
+    replayed = bool(served) and all(r.service_e2e_s is not None for r in served)
+    behind = (
+        wait_behind([(r.arrival_s, r.start_s, r.completion_s, dense_fallback(r)) for r in served])
+        if replayed
+        else [None] * len(served)
+    )
+    out = []
+    for r, qd in zip(served, behind):
+        queue = float(r.queue_s or 0.0)
+        service = float(r.service_ttft_s) if r.service_ttft_s is not None else float(r.ttft_s) - queue
+        part = {
+            "ttft": queue + service,
+            "queue": queue,
+            "queue_dense": qd,
+            "queue_other": None if qd is None else queue - qd,
+            "service": service,
+            "service_shared_dense": None,
+            "service_shared_reuse": None,
+            "service_other": None,
+        }
+        if replayed:  # served for real, the method's work (planning) precedes submission: not split
+            dense = sum(s.materialize_s or 0.0 for s in r.segments if s.kind == "PH" and s.status == "exact")
+            reuse = sum(s.materialize_s or 0.0 for s in r.segments if s.kind == "PH" and s.status != "exact")
+            part.update(service_shared_dense=dense, service_shared_reuse=reuse, service_other=service - dense - reuse)
+        out.append(part)
+    return out
+
+
+def _at_rank(parts: list[dict], q: float) -> dict:
+    """The parts at the ``q`` percentile of TTFT: numpy's linear interpolation between the two
+    requests around that rank, applied to every part (so they add up to the percentile)."""
+    order = sorted(range(len(parts)), key=lambda i: parts[i]["ttft"])
+    h = (len(order) - 1) * q / 100.0
+    lo = int(np.floor(h))
+    hi = min(lo + 1, len(order) - 1)
+    f = h - lo
+    a, b = parts[order[lo]], parts[order[hi]]
+    return {k: None if a[k] is None or b[k] is None else a[k] + f * (b[k] - a[k]) for k in TTFT_PARTS}
+
+
+def ttft_breakdown(served: Sequence[RequestRecord]) -> dict:
+    """Where the TTFT of one (method, shared length, QPS) point goes: the row columns
+    ``ttft_{p50,p90,mean}_{part}_s`` (:data:`TTFT_PARTS`), ``queue_dense_share``,
+    ``dense_fallback_share`` and the post-first-token occupancy (see :data:`DEFINITIONS`)."""
+    parts = request_parts(served)
+    row: dict = {}
+    if not parts:
+        return row
+    for stat in TTFT_PART_STATS:
+        if stat == "mean":
+            vals = {
+                k: _mean([p[k] for p in parts]) if all(p[k] is not None for p in parts) else None for k in TTFT_PARTS
+            }
+        else:
+            vals = _at_rank(parts, float(stat[1:]))
+        row.update({f"ttft_{stat}_{k}_s": v for k, v in vals.items()})
+    queued = sum(p["queue"] for p in parts)
+    dense_q = [p["queue_dense"] for p in parts]
+    row["queue_dense_share"] = sum(dense_q) / queued if queued > 0 and None not in dense_q else None
+    row["dense_fallback_share"] = sum(dense_fallback(r) for r in served) / len(served)
+    row["deferred_mean_s"] = _mean([r.deferred_s or 0.0 for r in served])
+    row["decode_mean_s"] = _mean([r.e2e_s - r.ttft_s - (r.deferred_s or 0.0) for r in served])
+    return row
+
+
 def sweep_row(method: str, shared: int, qps: float, served: Sequence[RequestRecord]) -> dict:
     """The summary row of one (method, shared length, QPS) point."""
     return {
@@ -147,6 +256,7 @@ def sweep_row(method: str, shared: int, qps: float, served: Sequence[RequestReco
         "qps": qps,
         **served_metrics(served, qps),
         **load_metrics(served),
+        **ttft_breakdown(served),
     }
 
 

@@ -17,10 +17,16 @@ timelines every backend returns):
 
 A batching backend (e.g. vLLM) would overlap requests; its numbers are not comparable with this
 server's and must be produced by a different queue model or measured under real load.
+
+Where the waiting goes (:func:`wait_behind`): on this server a waiting request's queueing delay is
+covered, second by second, by the service of the requests served before it, so it can be split by
+what those requests were (e.g. the share spent behind requests whose service included a dense
+prefill of a reuse-eligible shared segment).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -122,4 +128,31 @@ def replay(
                 service_e2e_s=r.e2e_s,
             )
         )
+    return out
+
+
+def wait_behind(timelines: Sequence[tuple[float, float, float, bool]]) -> list[float]:
+    """Per request ``(arrival_s, start_s, completion_s, flagged)`` of one served timeline on this
+    server: the seconds of its queueing delay (arrival to start) during which the server was serving
+    a *flagged* request. On a one-request-at-a-time FCFS server the busy intervals
+    ``[start, completion]`` never overlap and cover every wait, so the flagged and unflagged parts
+    add up to ``start - arrival`` (the result is clipped to it)."""
+    busy = sorted((s, c) for _, s, c, f in timelines if f and c > s)
+    starts = [s for s, _ in busy]
+    ends = [c for _, c in busy]
+    prefix = [0.0]
+    for s, c in busy:
+        prefix.append(prefix[-1] + (c - s))
+    out = []
+    for a, s, _, _ in timelines:
+        if s <= a or not busy:
+            out.append(0.0)
+            continue
+        i0 = bisect.bisect_right(ends, a)  # first flagged interval ending after the arrival
+        i1 = bisect.bisect_left(starts, s)  # intervals starting before the start: [i0, i1)
+        if i1 <= i0:
+            out.append(0.0)
+            continue
+        got = prefix[i1] - prefix[i0] - max(0.0, a - starts[i0]) - max(0.0, ends[i1 - 1] - s)
+        out.append(min(max(got, 0.0), s - a))
     return out

@@ -23,6 +23,11 @@ Accumulated-output variant (paper Appendix B.6): the sweep key is the *accumulat
 shared context, i.e. what the last agent receives from its three predecessors; each agent then
 generates ``accumulated // 3`` tokens over a fixed non-generated context (default 2048).
 
+Matched reuse ratio (``serve-sweep --matched-rho``): a trace may carry a *schedule*, one decision
+per (agent, shared slot), ``"dense"`` or ``"reuse"``, that :meth:`Trace.request` puts on the PH
+segments (:attr:`kvcmas_bench.engine.Segment.schedule`); :func:`draw_schedule` draws it once per
+set of trajectories from the seed, the same for every method (see its docstring for the rule).
+
 Traces are saved as JSONL (one trajectory a line, all ids inline), so replaying a file rebuilds
 identical requests without the tokenizer or the dataset.
 """
@@ -104,6 +109,9 @@ class Trace:
     agents: list[AgentSpec]
     split: str = "eval"
     meta: dict = field(default_factory=dict)
+    #: matched reuse ratio: per agent index, shared slot -> "dense" | "reuse" (None: unscheduled;
+    #: absent from the saved line then, so unscheduled traces are saved exactly as before)
+    schedule: list[dict[str, str]] | None = None
 
     # ---- requests ------------------------------------------------------------------------------
     def request(self, index: int, outputs: dict[str, Sequence[int]], sources: dict[str, str] | None = None) -> Request:
@@ -125,7 +133,8 @@ class Trace:
                 ids = outputs[producer]
             if not ids:
                 continue  # an empty output leaves nothing to share
-            segs.append(Segment("PH", list(ids), slot=slot, source=sources.get(slot)))
+            decision = self.schedule[index].get(slot) if self.schedule else None
+            segs.append(Segment("PH", list(ids), slot=slot, source=sources.get(slot), schedule=decision))
         return Request(spec.name, segs, spec.max_new_tokens)
 
     def nominal_prompt_tokens(self, index: int) -> int:
@@ -140,7 +149,10 @@ class Trace:
 
     # ---- (de)serialisation ---------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"format": FORMAT, **asdict(self)}
+        d = asdict(self)
+        if d["schedule"] is None:
+            del d["schedule"]
+        return {"format": FORMAT, **d}
 
     @classmethod
     def from_dict(cls, d: dict) -> Trace:
@@ -148,7 +160,10 @@ class Trace:
             raise ValueError(f"format {d.get('format')!r}, expected {FORMAT!r}")
         d = {k: v for k, v in d.items() if k != "format"}
         d["agents"] = [AgentSpec(**a) for a in d["agents"]]
-        return cls(**d)
+        tr = cls(**d)
+        if tr.schedule is not None:
+            check_schedule(tr)
+        return tr
 
 
 def dump_traces(traces: Sequence[Trace]) -> str:
@@ -349,3 +364,129 @@ def build_traces(
                 )
             )
     return out
+
+
+# ---- matched reuse ratio -------------------------------------------------------------------------
+#: the schedule's strata: "source" = shared segments with a source (an earlier agent materialized
+#: the slot or produced the output): reuse-eligible for every reuse method; "reference" = shared
+#: segments without one (the first agent's context): eligible only for methods that reuse from a
+#: context-free reference (KVComm, non-chained KVCMAS, GraphFlow)
+STRATA = ("source", "reference")
+#: which strata each eligibility family (``Method.reuse_from``) counts in its reuse ratio
+FAMILY_STRATA = {"source": ("source",), "reference": ("source", "reference")}
+
+
+@dataclass(frozen=True)
+class SharedSegment:
+    """One shared segment of a trajectory, as the schedule sees it (nominal length)."""
+
+    trajectory: str
+    step: int
+    slot: str
+    tokens: int
+    stratum: str
+
+
+def shared_segments(trace: Trace) -> list[SharedSegment]:
+    """Every PH segment of every agent, with its nominal length (outputs: ``output_tokens``) and
+    stratum (see :data:`STRATA`), in request order."""
+    out: list[SharedSegment] = []
+    seen: set[str] = set()
+    names = [a.name for a in trace.agents]
+    for i, spec in enumerate(trace.agents):
+        for slot in spec.slots:
+            if slot == CTX_SLOT:
+                n, has_source = len(trace.context_ids), slot in seen
+            else:
+                n, has_source = trace.output_tokens, slot.split(":", 1)[1] in names[:i] or slot in seen
+            out.append(SharedSegment(trace.id, i, slot, n, "source" if has_source else "reference"))
+        seen.update(spec.slots)
+    return out
+
+
+def _dense_set(segs: Sequence[SharedSegment], rho: float, rng: random.Random) -> set[int]:
+    """Indices of ``segs`` to prefill densely: as close as one segment allows to ``1 - rho`` of their
+    tokens. Seeded random order; every segment that still fits under the target is taken; then the
+    smallest one left is added if that brings the total closer (ties: not added)."""
+    total = sum(s.tokens for s in segs)
+    target = (1.0 - rho) * total
+    order = list(range(len(segs)))
+    rng.shuffle(order)
+    dense: set[int] = set()
+    got = 0
+    eps = 1e-9 * max(total, 1)
+    for i in order:
+        if got + segs[i].tokens <= target + eps:
+            dense.add(i)
+            got += segs[i].tokens
+    rest = [i for i in order if i not in dense]
+    if rest:
+        i = min(rest, key=lambda j: segs[j].tokens)  # the first of the smallest, in the seeded order
+        if (got + segs[i].tokens) - target < target - got - eps:
+            dense.add(i)
+    return dense
+
+
+def draw_schedule(traces: Sequence[Trace], rho: float, seed: int = 0) -> dict[str, list[dict[str, str]]]:
+    """The matched-rho schedule of ``traces`` (the evaluated trajectories of one shared length):
+    trajectory id -> per agent, slot -> "dense" | "reuse"; ``1 - rho`` of the shared tokens dense.
+
+    The rule, the same for every method: the shared segments of all trajectories are split into the
+    strata of :data:`STRATA`, and each stratum gets ``1 - rho`` of its nominal tokens dense on its
+    own (:func:`_dense_set`, seeded by ``seed``). Methods that reuse from a source count only the
+    "source" stratum in their rho, context-free-reference methods both, so each family is scheduled
+    the same fraction of its own eligible tokens (as exactly as whole segments allow: the reference
+    stratum holds one segment per trajectory). Deterministic in (traces, rho, seed).
+    """
+    if not 0.0 <= rho <= 1.0:
+        raise BenchError(f"a matched reuse ratio must lie in [0, 1], got {rho}")
+    segs = [s for t in traces for s in shared_segments(t)]
+    decisions = {(s.trajectory, s.step, s.slot): "reuse" for s in segs}
+    for k, stratum in enumerate(STRATA):
+        part = [s for s in segs if s.stratum == stratum]
+        rng = random.Random(f"kvcmas-matched-rho/{seed}/{k}")
+        for i in _dense_set(part, rho, rng):
+            decisions[(part[i].trajectory, part[i].step, part[i].slot)] = "dense"
+    return {
+        t.id: [{slot: decisions[(t.id, i, slot)] for slot in a.slots} for i, a in enumerate(t.agents)] for t in traces
+    }
+
+
+def apply_schedule(traces: Sequence[Trace], rho: float | None, seed: int = 0) -> None:
+    """Set (``rho`` given) or clear (None) the schedule of ``traces`` in place."""
+    drawn = draw_schedule(traces, rho, seed) if rho is not None else {}
+    for t in traces:
+        t.schedule = drawn.get(t.id)
+
+
+def scheduled_rho(traces: Sequence[Trace]) -> dict[str, float | None]:
+    """Per eligibility family ("source", "reference"): the share of its eligible nominal shared
+    tokens that the traces' schedules leave to reuse (None without eligible tokens)."""
+    out: dict[str, float | None] = {}
+    segs = [(s, t.schedule[s.step][s.slot]) for t in traces if t.schedule for s in shared_segments(t)]
+    for family, strata in FAMILY_STRATA.items():
+        mine = [(s.tokens, d) for s, d in segs if s.stratum in strata]
+        total = sum(n for n, _ in mine)
+        out[family] = sum(n for n, d in mine if d == "reuse") / total if total else None
+    return out
+
+
+def dense_transitions(traces: Sequence[Trace]) -> list[list]:
+    """``[trajectory, step, slot, stratum]`` of every segment the schedules make dense."""
+    return [
+        [t.id, s.step, s.slot, s.stratum]
+        for t in traces
+        if t.schedule
+        for s in shared_segments(t)
+        if t.schedule[s.step][s.slot] == "dense"
+    ]
+
+
+def check_schedule(trace: Trace) -> None:
+    """A loaded schedule must name every shared slot of every agent with "dense" or "reuse"."""
+    sch = trace.schedule
+    if not isinstance(sch, list) or len(sch) != len(trace.agents):
+        raise ValueError(f"schedule must be a list of {len(trace.agents)} per-agent objects")
+    for i, (a, d) in enumerate(zip(trace.agents, sch)):
+        if not isinstance(d, dict) or set(d) != set(a.slots) or not set(d.values()) <= {"dense", "reuse"}:
+            raise ValueError(f"schedule of agent {i} must map its slots {a.slots} to 'dense' or 'reuse'")
