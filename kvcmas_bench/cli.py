@@ -516,7 +516,7 @@ def ablate_cmd(
         values=_split(values),
         delta_ranks=_split(delta_ranks),
         gates=_split(gates),
-        rhos=_floats("--rhos", rhos) if rhos else None,
+        rhos=_split(rhos),
         methods=_split(methods),
         workloads=_split(workloads) or [],
         limit=limit,

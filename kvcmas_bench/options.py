@@ -37,7 +37,7 @@ def _knob(what: str) -> str:
 KNOB_FLAGS = {
     "tau": _knob("Gate threshold in [0, 1] of the gated anchor methods (unset: the workload's)"),
     "rho": _knob("Target reuse ratio in [0, 1] of the selective-recomputation methods"),
-    "rank": _knob("Rank r of the anchors' low-rank factors (--method-arg rank=none: full-dimensional)"),
+    "rank": _knob("Rank r of the anchors' low-rank factors (--method-arg rank=full: full-dimensional)"),
     "anchors": _knob("Anchor pool size V"),
     "anchor_dtype": _knob(f"Storage dtype of anchor states: {', '.join(ANCHOR_DTYPES)} (unset: the model's)"),
 }
@@ -125,7 +125,7 @@ MethodArg = Annotated[
     typer.Option(
         "--method-arg",
         help="Any method option as KEY=VALUE (repeatable), e.g. temperature=2, check_layer=2, "
-        "max_groups=none; see `kvcmas-bench methods --options`.",
+        "max_groups=none, rank=full; see `kvcmas-bench methods --options`.",
     ),
 ]
 

@@ -249,3 +249,54 @@ def test_a_knob_given_twice_is_refused(capsys):
 
     assert run_cli(["suite", "--rank", "16", "--method-arg", "rank=8", "-o", "/nonexistent/x"]) == 2
     assert "--rank is given twice" in capsys.readouterr().err
+
+
+def test_rank_full_is_the_rank_knobs_word_for_none(monkeypatch):
+    _patch_jobs(monkeypatch)
+    args = _parse("run", "kvcmas", ["--method-arg", "rank=full"])
+    assert resolve_methods(["kvcmas"], args)["kvcmas"].kwargs["rank"] is None
+
+
+def test_ablate_sweeps_knobs_through_the_knob_converter():
+    from kvcmas_bench.jobs.ablate import AblateOptions, sweep_points
+    from kvcmas_bench.methods.knobs import convert
+
+    pts = sweep_points(AblateOptions("rank", values=["full"], delta_ranks=["full", "8"]), "mmlu", ["kvcmas"])
+    assert [p.method_args for p in pts] == [{"rank": None, "delta_rank": None}, {"rank": None, "delta_rank": 8}]
+    pts = sweep_points(AblateOptions("rank", values=["16", "none"]), "mmlu", ["kvcmas"])
+    assert [p.method_args for p in pts] == [{"rank": 16, "delta_rank": None}, {"rank": None, "delta_rank": None}]
+    cls = METHODS["kvcmas"]
+    for p in sweep_points(AblateOptions("tau", values=["0.25"], rhos=["0.5"]), "mmlu", ["kvcmas", "cacheblend"]):
+        for key, value in p.method_args.items():
+            assert value == convert(METHODS[p.method], key, str(value)), (p.name, key)
+    assert convert(cls, "rank", "full") is None
+
+
+def test_ablate_refuses_a_knob_it_sweeps(tmp_path, capsys):
+    from .conftest import run_cli
+
+    assert run_cli(["ablate", "rank", "--rank", "16", "--model", "unused", "-o", str(tmp_path / "a")]) == 2
+    assert "ablate rank sets 'rank' at every point" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
+def test_delta_rank_none_means_the_base_rank_everywhere():
+    import inspect
+
+    from kvcmas_bench.methods.anchors import AnchorPool
+
+    assert inspect.signature(AnchorPool.add).parameters["delta_rank"].default is None
+    assert METHODS["kvcmas"].knobs()["delta_rank"].default is None
+
+
+def test_the_gate_temperature_default_is_written_once():
+    from pathlib import Path
+
+    import kvcmas_bench
+    from kvcmas_bench.ops.gate import DEFAULT_GATE_TEMPERATURE
+
+    src = "\n".join(p.read_text() for p in Path(kvcmas_bench.__file__).parent.rglob("*.py"))
+    assert len(re.findall(r"DEFAULT_GATE_TEMPERATURE = 0\.01\b", src)) == 1
+    assert not re.findall(r"gate_temperature[^\n]*\b0\.01\b", src)
+    assert not re.findall(r"\btemps\b[^\n]*\b0\.01\b", src)
+    assert METHODS["kvcmas"].knobs()["gate_temperature"].default == DEFAULT_GATE_TEMPERATURE
