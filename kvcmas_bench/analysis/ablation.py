@@ -155,11 +155,14 @@ def pareto_figure(df: pd.DataFrame, title: str):
     return fig, list(axes[0])
 
 
-def replay_frame(decisions: list[tuple[list[float], int]], taus, gate_temperature: float = 0.01) -> pd.DataFrame:
+def replay_frame(decisions: list[tuple[list[float], int]], taus, gate_temperature: float | None = None) -> pd.DataFrame:
     """The share of gated tokens each gate would accept at every tau, replayed on recorded gate
     decisions (per decision: the anchors' distances and the segment's tokens). Rows: gate, tau,
-    accepted_share, decisions."""
-    from ..ops.gate import GATES, acceptance_curve, entropy_of
+    accepted_share, decisions. ``gate_temperature``: the scaled gate's (None: the methods' default)."""
+    from ..ops.gate import DEFAULT_GATE_TEMPERATURE, GATES, acceptance_curve, entropy_of
+
+    if gate_temperature is None:
+        gate_temperature = DEFAULT_GATE_TEMPERATURE
 
     rows = []
     for gate in GATES:

@@ -4,6 +4,9 @@ Kinds (the swept values, ``--values``):
 
 - ``rank``: the base-cache rank r_C (``rank``) and, with ``--delta-ranks``, the delta rank r_D
   (``delta_rank``; every pair); without it r_D = r_C. ``full`` = full-dimensional anchors.
+
+Swept knob values are converted by :func:`~kvcmas_bench.methods.knobs.convert`, as ``--method-arg``
+values are (``full`` is the rank knob's word for None); the knobs a sweep sets cannot also be given.
 - ``anchors``: the pool size V (V = 1 bypasses the gate).
 - ``tau``: the gate threshold under each gate (``--gates paper,scaled``) for every method with a gate
   threshold; methods with a reuse ratio (CacheBlend, DroidSpeak, RelayCaching) run at ``--rhos``
@@ -27,9 +30,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..errors import BenchError
+from ..errors import BenchError, OptionError
 from ..methods import METHODS, expand_methods, resolve_method, resolve_methods
-from ..ops.gate import GATES
+from ..methods.knobs import MethodArg, convert, expected
+from ..ops.gate import DEFAULT_GATE_TEMPERATURE, GATES
 from ..results.frames import read_jsonl
 from ..results.outdir import atomic_write, lock_output_dir
 from ..results.records import write_json
@@ -54,6 +58,8 @@ DEFAULT_METHODS = {
     "chain": "kvcmas,kvcmas-nonchained",
 }
 DEFAULT_RHOS = (0.6, 0.8, 0.9)
+#: the knobs each kind sets per point (not to be given as options too)
+SWEPT_KNOBS = {"rank": ("rank", "delta_rank"), "anchors": ("anchors",), "tau": ("tau", "gate_mode", "rho")}
 #: settings a resumed ablation directory must share
 STRICT_KEYS = (
     "kind",
@@ -76,7 +82,8 @@ class AblateOptions:
     delta_ranks: list[str] | None = None
     #: ``tau``: the gates (default both) and the reuse ratios of the recomputation methods
     gates: list[str] | None = None
-    rhos: list[float] | None = None
+    #: numbers or their text (converted as the ``rho`` knob)
+    rhos: list[float | str] | None = None
     methods: list[str] | None = None
     workloads: list[str] = field(default_factory=lambda: ["mmlu"])
     limit: int | None = 8
@@ -131,22 +138,26 @@ class AblateResult:
     files: list[Path] = field(default_factory=list)
 
 
-def _parse_values(kind: str, values: list[str]) -> list:
-    """The swept values of ``kind``, converted (ranks: int or None for ``full``)."""
+def _parse_values(kind: str, values: list, method: str | None = None, knob: str | None = None, flag="--values") -> list:
+    """The swept values of ``kind``: knob values converted by the knob converter as ``--method-arg``
+    values are (``rank``: ``full`` = None), the workflow sizes (agents, rounds) as integers."""
     out = []
     for v in values:
+        if knob is not None:
+            cls = METHODS[method]
+            try:
+                out.append(convert(cls, knob, MethodArg(v.strip(), v.strip(), flag) if isinstance(v, str) else v))
+            except OptionError:
+                raise BenchError(
+                    f"ablate {kind}: {flag} takes comma-separated values, each {expected(cls, knob)}, got {v!r}"
+                ) from None
+            continue
         try:
-            if kind == "rank":
-                out.append(None if v.strip().lower() == "full" else int(v))
-            elif kind == "tau":
-                out.append(float(v))
-            else:
-                out.append(int(v))
+            out.append(int(v))
         except ValueError:
-            what = "integers or full" if kind == "rank" else ("numbers" if kind == "tau" else "integers")
-            raise BenchError(f"ablate {kind}: --values takes comma-separated {what}, got {v!r}") from None
+            raise BenchError(f"ablate {kind}: {flag} takes comma-separated integers, got {v!r}") from None
     if not out:
-        raise BenchError(f"ablate {kind}: no --values given")
+        raise BenchError(f"ablate {kind}: no {flag} given")
     return list(dict.fromkeys(out))
 
 
@@ -159,13 +170,19 @@ def sweep_points(opts: AblateOptions, workload: str, methods: list[str]) -> list
     kind = opts.kind
     if kind == "chain":  # analyze chain: the methods as they are
         return [Point(workload, m, m) for m in methods]
-    vals = _parse_values(kind, opts.values or DEFAULT_VALUES.get(kind, "").split(","))
+    raw = opts.values or DEFAULT_VALUES.get(kind, "").split(",")
     pts: list[Point] = []
     for m in methods:
         knobs = METHODS[m].knobs()
+        if kind in ("rank", "anchors"):
+            _need(m, knobs, kind, kind)
+            vals = _parse_values(kind, raw, m, kind)
+        elif kind == "tau":  # methods without a gate threshold run at --rhos instead
+            vals = _parse_values(kind, raw, m, "tau") if "tau" in knobs else []
+        else:
+            vals = _parse_values(kind, raw)
         if kind == "rank":
-            _need(m, knobs, "rank", kind)
-            drs = _parse_values("rank", opts.delta_ranks) if opts.delta_ranks else None
+            drs = _parse_values(kind, opts.delta_ranks, m, "rank", "--delta-ranks") if opts.delta_ranks else None
             for rc in vals:
                 for rd in drs if drs is not None else [rc]:
                     if rd is None and rc is not None:
@@ -174,7 +191,6 @@ def sweep_points(opts: AblateOptions, workload: str, methods: list[str]) -> list
                     params = {"r_C": _label(rc), "r_D": _label(rd)}
                     pts.append(Point(workload, f"{m}-r{_label(rc)}-{_label(rd)}", m, args, params))
         elif kind == "anchors":
-            _need(m, knobs, "anchors", kind)
             pts += [Point(workload, f"{m}-V{v}", m, {"anchors": v}, {"V": v}) for v in vals]
         elif kind == "tau":
             pts += _tau_points(opts, workload, m, knobs, vals)
@@ -204,7 +220,8 @@ def _tau_points(opts: AblateOptions, workload: str, m: str, knobs: dict, taus: l
             for t in taus
         ]
     if "rho" in knobs:
-        return [Point(workload, f"{m}-rho{r:g}", m, {"rho": r}, {"rho": r}) for r in opts.rhos or DEFAULT_RHOS]
+        rhos = _parse_values("tau", opts.rhos or DEFAULT_RHOS, m, "rho", "--rhos")
+        return [Point(workload, f"{m}-rho{r:g}", m, {"rho": r}, {"rho": r}) for r in rhos]
     return [Point(workload, m, m, {}, {})]
 
 
@@ -221,9 +238,16 @@ def plan_points(opts: AblateOptions) -> list[Point]:
     ):
         if given and opts.kind not in kinds:
             raise BenchError(f"{flag} applies to ablate {', '.join(kinds)}, not {opts.kind}")
-    for r in opts.rhos or ():
-        if not 0.0 <= r <= 1.0:
-            raise BenchError(f"--rhos must lie in [0, 1], got {r:g}")
+    rho_owner = next(n for n, c in METHODS.items() if "rho" in c.knobs())
+    for r in _parse_values("tau", opts.rhos, rho_owner, "rho", "--rhos") if opts.rhos else ():
+        if r is None or not 0.0 <= r <= 1.0:
+            raise BenchError(f"--rhos must lie in [0, 1], got {r}")
+    for key in SWEPT_KNOBS.get(opts.kind, ()):
+        if opts.method_args.get(key) is not None:
+            raise BenchError(
+                f"ablate {opts.kind} sets {key!r} at every point (--values, --delta-ranks, --gates, --rhos); "
+                "do not give it as an option too"
+            )
     methods = [m for m in expand_methods(opts.methods or DEFAULT_METHODS[opts.kind].split(",")) if m != "nonshared"]
     workloads = list(dict.fromkeys(opts.workloads))
     if not workloads:
@@ -474,7 +498,7 @@ def _replay(out: Path, g: pd.DataFrame, workload: str) -> list:
         json.loads((out / workload / p / "config.json").read_text())["method_config"].get("gate_temperature")
         for p in gated["point"]
     }
-    temp = next(iter(temps)) if len(temps) == 1 and None not in temps else 0.01
+    temp = next(iter(temps)) if len(temps) == 1 and None not in temps else DEFAULT_GATE_TEMPERATURE
     df = replay_frame(decisions, [i / 40 for i in range(41)], temp)
     atomic_write(out / f"gate-replay-{workload}.csv", df.to_csv(index=False))
     title = f"{workload}: {len(decisions)} recorded gate decisions replayed (scaled gate_temperature {temp:g})"

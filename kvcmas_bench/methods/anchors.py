@@ -168,13 +168,13 @@ class AnchorPool:
         rank: int | None,
         dtype: torch.dtype | None = None,
         svd: str = "gram",
-        delta_rank: int | None = -1,
+        delta_rank: int | None = None,
     ) -> Anchor:
         """Add the consumer's entry to the anchor of ``instance`` (created, evicting when the pool is
         full, if this instance has none yet). An entry whose source another entry of the anchor
         already read shares that entry's base factors. ``rank`` factors the base, ``delta_rank`` the
-        deltas (-1: ``rank``; None: full)."""
-        rd = rank if delta_rank == -1 else delta_rank
+        deltas (None: ``rank``, as the methods' ``delta_rank`` knob; full-dimensional when ``rank`` is)."""
+        rd = rank if delta_rank is None else delta_rank
         dk, dv = Factor.make(delta_k, rd, dtype, svd), Factor.make(delta_v, rd, dtype, svd)
         anchor = self.find(instance)
         if anchor is None:

@@ -65,6 +65,8 @@ class Method:
     #: needs partial forwards through the model's layers (selective recomputation): only engines
     #: that expose their layers (the in-process one) can run it; others refuse it up front
     needs_model_internals: ClassVar[bool] = False
+    #: knobs whose None has a word of its own on the command line besides ``none`` (rank: ``full``)
+    none_words: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         self.validate()

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from ..engine import SegmentContext, SegmentKV
-from ..ops.gate import GATES, gate_scores
+from ..ops.gate import DEFAULT_GATE_TEMPERATURE, GATES, gate_scores
 from ..ops.lowrank import (
     from_rows,
     gate_entropy,
@@ -67,7 +67,7 @@ class OnlineDeltaCorrection(Method):
     #: relative excess distance over the closest anchor, in units of ``gate_temperature``
     gate_mode: str = "paper"
     #: scaled gate: the relative distance gap that weighs e times less (two anchors 1% apart: entropy 0.84)
-    gate_temperature: float = 0.01
+    gate_temperature: float = DEFAULT_GATE_TEMPERATURE
     #: rank r_D of the stored deltas (None: ``rank``); ``rank`` is r_C, the rank of the base caches
     delta_rank: int | None = None
     #: skip the (anchor, token) terms of the correction whose token weight is below this (K and V
@@ -84,6 +84,7 @@ class OnlineDeltaCorrection(Method):
 
     max_references: ClassVar[int] = 16
     learns_online = True
+    none_words = {"rank": "full"}
 
     def validate(self) -> None:
         check(self.anchors >= 1, f"--anchors must be a positive integer, got {self.anchors}")
@@ -340,9 +341,20 @@ class OnlineDeltaCorrection(Method):
         dtype = getattr(torch, self.anchor_dtype) if self.anchor_dtype else exact.k.dtype
         ex_k -= ref_k
         ex_v -= ref_v
-        rd = self.rank if self.delta_rank is None else self.delta_rank
         before = pool.inserted
-        pool.add(instance, source_key, ref_k, ref_v, consumer, ex_k, ex_v, self.rank, dtype, self.svd, delta_rank=rd)
+        pool.add(
+            instance,
+            source_key,
+            ref_k,
+            ref_v,
+            consumer,
+            ex_k,
+            ex_v,
+            self.rank,
+            dtype,
+            self.svd,
+            delta_rank=self.delta_rank,
+        )
         self._count("entries_inserted")
         if pool.inserted > before:
             self._count("anchors_inserted")

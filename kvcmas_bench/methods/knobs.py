@@ -1,8 +1,9 @@
 """Method options from the command line: the one resolution path of ``run``, ``serve-sweep``,
 ``coverage`` and every later job.
 
-The CLI keeps typed flags for the common knobs (``--tau --rank --anchors --rho --anchor-dtype``)
-and takes any other knob as ``--method-arg KEY=VALUE`` (repeatable). Both land in one dict of
+The CLI keeps typed flags for the common knobs (``--tau --rank --anchors --rho --anchor-dtype``,
+declared once in :mod:`kvcmas_bench.options`) and takes any other knob as ``--method-arg KEY=VALUE``
+(repeatable); ``ablate`` converts its swept values with the same :func:`convert`. Both land in one dict of
 knob values; :func:`resolve_methods` checks every key against the selected methods' dataclass
 fields, converts strings to the field's type, applies workload defaults, and builds one instance
 per method (so each method's own ``validate`` runs) before any model is loaded. A key no selected
@@ -32,18 +33,21 @@ class MethodArg(str):
     typed it (``check-layer=2``) so that messages name the option that way."""
 
     item: str
+    #: the option it was given with (``--method-arg``; ``ablate --values`` for swept values)
+    flag: str
 
-    def __new__(cls, value: str, item: str):
+    def __new__(cls, value: str, item: str, flag: str = "--method-arg"):
         obj = super().__new__(cls, value)
         obj.item = item
+        obj.flag = flag
         return obj
 
     def __reduce__(self):
-        return (MethodArg, (str(self), self.item))
+        return (MethodArg, (str(self), self.item, self.flag))
 
     @property
     def option(self) -> str:
-        return f"--method-arg {self.item}"
+        return f"{self.flag} {self.item}"
 
 
 def parse_method_args(items: Sequence[str] | None) -> dict[str, str]:
@@ -84,17 +88,31 @@ def _relabel(message: str, args: Mapping[str, object]) -> str:
     return message
 
 
-def convert(cls: type[Method], key: str, value):
-    """A knob value converted to the type of ``cls``'s field ``key`` (strings from the CLI)."""
+def _field_type(cls: type[Method], key: str) -> tuple[type, bool]:
+    """The base type of ``cls``'s field ``key`` and whether None is allowed."""
     hint = typing.get_type_hints(cls)[key]
     args = typing.get_args(hint)
     optional = typing.get_origin(hint) in (Union, types.UnionType) and type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if optional else hint
+    return (next((a for a in args if a is not type(None)), hint) if optional else hint), optional
+
+
+def expected(cls: type[Method], key: str) -> str:
+    """What a value of knob ``key`` must be, in words (``an integer, full or none``)."""
+    base, optional = _field_type(cls, key)
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(base, str(base))
+    nones = [w for w in (cls.none_words.get(key), "none" if optional else None) if w]
+    return ", ".join([kind, *nones[:-1]]) + (f" or {nones[-1]}" if nones else "")
+
+
+def convert(cls: type[Method], key: str, value):
+    """A knob value converted to the type of ``cls``'s field ``key`` (strings from the CLI: ``none``
+    for None, and the method's own word for it, ``rank=full``)."""
+    base, optional = _field_type(cls, key)
     if not isinstance(value, str):
         return value
     label = _label(key, value)
     text = value.strip()
-    if optional and text.lower() in _NONE:
+    if optional and (text.lower() in _NONE or text.lower() == cls.none_words.get(key)):
         return None
     try:
         if base is bool:
@@ -111,10 +129,8 @@ def convert(cls: type[Method], key: str, value):
         if base is str:
             return text
     except ValueError:
-        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(base, str(base))
         raise OptionError(
-            f"{label}: option {key!r} of method {cls.name!r} must be {kind}{' or none' if optional else ''}, "
-            f"got {text!r}"
+            f"{label}: option {key!r} of method {cls.name!r} must be {expected(cls, key)}, got {text!r}"
         ) from None
     raise OptionError(f"{label}: option {key!r} of method {cls.name!r} cannot be set from the command line")
 

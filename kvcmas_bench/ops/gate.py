@@ -25,6 +25,8 @@ import torch
 from .lowrank import gate_entropy
 
 GATES = ("paper", "scaled")
+#: the scaled gate's temperature ``T_g`` unless a method sets its own (``gate_temperature``)
+DEFAULT_GATE_TEMPERATURE = 0.01
 
 
 def gate_scores(sqdist: torch.Tensor, gate: str = "paper", gate_temperature: float = 1.0) -> torch.Tensor:
