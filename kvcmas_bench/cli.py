@@ -712,9 +712,8 @@ def list_backends() -> None:
 @app.command("workloads")
 def list_workloads() -> None:
     """List the available workloads."""
-    from .workloads import WORKLOADS, get_workload
+    from .workloads import WORKLOADS
 
-    get_workload("mmlu")
     t = Table(title="workloads")
     t.add_column("name")
     t.add_column("agents")

@@ -437,11 +437,11 @@ def serve_sweep(
     specs = resolve_methods(names, _matched_method_args(matched, names, method_args), get_workload(TEXT_WORKLOAD))
     if isinstance(backend, str) or backend is None:
         check_backend(engine_name, specs)  # unknown engine, or methods it cannot run: before any model loads
-    elif getattr(backend, "supports", None) is not None:
-        bad = [n for n, sp in specs.items() if backend.supports(sp.cls)]
+    elif getattr(backend, "why_unsupported", None) is not None:
+        bad = [n for n, sp in specs.items() if backend.why_unsupported(sp.cls)]
         if bad:
             raise BenchError(
-                f"--engine {engine_name} cannot run {', '.join(bad)}: {backend.supports(specs[bad[0]].cls)}"
+                f"--engine {engine_name} cannot run {', '.join(bad)}: {backend.why_unsupported(specs[bad[0]].cls)}"
             )
     needs_calib = [n for n, s in specs.items() if s.cls.needs_calibration]
     if needs_calib and calib_trajectories < 1 and traces_path is None:

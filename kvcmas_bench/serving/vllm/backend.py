@@ -275,7 +275,8 @@ class VLLMBackend:
         return getattr(self.config, "vocab_size", None)
 
     @property
-    def supports(self):
+    def why_unsupported(self):
+        """``why_unsupported(method_cls)``: the reason this engine cannot run a method, or None."""
         return why_not
 
     def describe(self) -> dict:
