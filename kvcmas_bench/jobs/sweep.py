@@ -204,7 +204,7 @@ def check_fits(traces: Sequence[Trace], max_positions: int | None, vocab: int | 
 def engine_methods(engine: str, asked: Sequence[str], names: list[str], backend=None) -> list[str]:
     """``--method all`` on an engine that cannot run every method: the ones it can (named ones are
     checked by :func:`~kvcmas_bench.serving.backends.check_backend` and refused)."""
-    why_not = BACKEND_LIMITS.get(engine) or getattr(backend, "supports", None)
+    why_not = BACKEND_LIMITS.get(engine) or getattr(backend, "why_unsupported", None)
     if why_not is None or "all" not in [a.strip().lower() for a in asked]:
         return names
     from ..methods import method_class
