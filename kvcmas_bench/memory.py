@@ -6,10 +6,17 @@ writing ``5`` to ``/proc/self/clear_refs``. After a reset the high-water mark re
 current resident set (the loaded model included), so every run, suite cell or sweep method in one
 process reports its own peak whatever ran before it. Where the reset is not possible the RSS figure
 is the process-wide high-water mark since start-up (``reset_peaks`` returns False).
+
+Limit on CPU: the high-water mark restarts at the *current* resident set, which also holds memory
+that earlier runs freed but the allocators kept (small blocks on the C heap; free heap pages are
+handed back with ``malloc_trim`` at each reset). So in one process a later cell's RSS peak can
+include some of an earlier cell's retained memory; the CUDA counters have no such limit, and cells
+run in separate processes compare exactly.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import resource
 
@@ -28,10 +35,20 @@ def peak_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _malloc_trim() -> None:
+    """Hand the C heap's free pages back to the OS (glibc ``malloc_trim``), so that the resident set
+    a reset starts from holds less of what earlier runs freed; a no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def reset_peaks(device: torch.device | str | None = None) -> bool:
     """Restart peak tracking: the CUDA peak counters of ``device`` and the RSS high-water mark.
     Returns whether the RSS high-water mark could be reset."""
     gc.collect()
+    _malloc_trim()
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
