@@ -239,46 +239,71 @@ def write_comparison(path: Path, argv, body: dict) -> None:
 
 
 def run_all(args, methods, lengths, factors, engine_options, root: Path, common: dict) -> None:
-    """The in-process measurements and replays, then the vLLM single-stream probe and sweep."""
+    """The in-process measurements and replays, then one ``vllm serve`` with the connector (unless
+    ``--engine-arg base_url=`` names a running one) for the vLLM single-stream probe and sweep."""
     from kvcmas_bench.jobs.sweep import evaluate_service, serve_sweep
 
     grids: dict[int, list[float]] = {}
-    for s in lengths:  # the in-process engine first (before vLLM takes over torch's threads)
+    for s in lengths:  # the in-process engine first, alone on the machine
         d = root / str(s) / "in-process"
         single = serve_sweep(methods, [0], [s], args.trajectories, str(d), device="cpu", plots=False, **common)
         t_ns = next(r for r in single["rows"] if r["method"] == "nonshared")["trajectory_service_mean_s"]
         grids[s] = [round(f / t_ns, 4) for f in factors]
         evaluate_service(str(d), [0.0] + grids[s], console=None)
-    for s in lengths:
-        t0 = time.perf_counter()
-        traces = str(root / str(s) / "in-process" / "traces.jsonl")
-        probe = serve_sweep(
-            ["nonshared"],
-            [0],
-            [s],
-            args.trajectories,
-            str(root / str(s) / "vllm-single-stream"),
-            traces_path=traces,
-            backend="vllm",
-            engine_options=engine_options,
-            plots=False,
-            **common,
-        )
-        t_ns = next(r for r in probe["rows"] if r["method"] == "nonshared")
-        # a single stream's makespan is the sum of the trajectories' latencies
-        rate = t_ns["n_trajectories"] / t_ns["makespan_s"]
-        serve_sweep(
-            methods,
-            [0.0] + [round(f * rate, 4) for f in factors],
-            [s],
-            args.trajectories,
-            str(root / str(s) / "vllm"),
-            traces_path=traces,
-            backend="vllm",
-            engine_options=engine_options,
-            **common,
-        )
-        common["console"].print(f"[dim]vLLM sweep at {s} shared tokens: {time.perf_counter() - t0:.0f} s[/dim]")
+    server, engine_options = start_server(args, engine_options, common["console"])
+    try:
+        for s in lengths:
+            t0 = time.perf_counter()
+            traces = str(root / str(s) / "in-process" / "traces.jsonl")
+            probe = serve_sweep(
+                ["nonshared"],
+                [0],
+                [s],
+                args.trajectories,
+                str(root / str(s) / "vllm-single-stream"),
+                traces_path=traces,
+                backend="vllm",
+                engine_options=engine_options,
+                plots=False,
+                **common,
+            )
+            t_ns = next(r for r in probe["rows"] if r["method"] == "nonshared")
+            # a single stream's makespan is the sum of the trajectories' latencies
+            rate = t_ns["n_trajectories"] / t_ns["makespan_s"]
+            serve_sweep(
+                methods,
+                [0.0] + [round(f * rate, 4) for f in factors],
+                [s],
+                args.trajectories,
+                str(root / str(s) / "vllm"),
+                traces_path=traces,
+                backend="vllm",
+                engine_options=engine_options,
+                **common,
+            )
+            common["console"].print(f"[dim]vLLM sweep at {s} shared tokens: {time.perf_counter() - t0:.0f} s[/dim]")
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def start_server(args, engine_options: dict, console):
+    """One ``vllm serve`` with the connector for the whole benchmark; the client options to reach it."""
+    if engine_options.get("base_url"):
+        return None, engine_options
+    from kvcmas_bench.serving.vllm.backend import _resolve_model
+    from kvcmas_bench.serving.vllm.http import Server, ServerOptions, _free_port, serve_command
+
+    opts = ServerOptions.parse(engine_options)
+    path, _ = _resolve_model(args.model)
+    port = _free_port()
+    cmd = serve_command(path, port, args.dtype, opts, cpu=True)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(opts.kv_cache_gib)}
+    t0 = time.perf_counter()
+    server = Server(cmd, env, port, opts.startup_timeout)
+    console.print(f"[dim]vllm serve up in {time.perf_counter() - t0:.0f} s on port {port}: {' '.join(cmd)}[/dim]")
+    client = {k: v for k, v in engine_options.items() if k in ("stop_at_first_token",)}
+    return server, {**client, "base_url": f"http://127.0.0.1:{port}"}
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from .options import (
     CalibSamples,
     Device,
     Dtype,
+    EngineArg,
     Fidelity,
     FinalMaxNewTokens,
     Limit,
@@ -256,17 +257,13 @@ def serve_sweep_cmd(
     engine: str = typer.Option(
         "in-process", "--engine", "--backend", help="Serving backend (see `kvcmas-bench backends`)."
     ),
-    engine_arg: list[str] | None = typer.Option(
-        None,
-        "--engine-arg",
-        help="Engine option KEY=VALUE (repeatable); vllm: block_size, kv_cache_gib, max_num_seqs, "
-        "max_num_batched_tokens, max_model_len, prefix_caching, gpu_memory_utilization.",
-    ),
+    engine_arg: EngineArg = None,
 ) -> None:
     """Serve controlled 4-agent traces with every method across QPS. The in-process engine measures
     each request once (one request at a time) and replays Poisson arrivals at every QPS on a
     virtual-clock FCFS server; --engine vllm serves them for real with continuous batching (a KV
-    connector injects the shared caches). Writes requests.jsonl, summary.json (TTFT p50/p90/p99 split
+    connector injects the shared caches; the harness is the HTTP client of a `vllm serve` it starts,
+    or of --engine-arg base_url=URL). Writes requests.jsonl, summary.json (TTFT p50/p90/p99 split
     into own service and queueing, realized rho ...) and TTFT-vs-QPS plots. --matched-rho compares
     the methods at matched amounts of dense prefill (paper Figure 5)."""
     from .jobs.sweep import serve_sweep
@@ -293,6 +290,35 @@ def serve_sweep_cmd(
         matched_rho=matched_rho,
     )
     err.print(f"results in {output_path}/ (summary.json, requests.jsonl, service.jsonl, traces.jsonl, plots)")
+
+
+@app.command("serve")
+def serve_cmd(
+    model: Model = None,
+    port: int = typer.Option(8000, help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    device: Device = "auto",
+    dtype: Dtype = "float32",
+    engine_arg: EngineArg = None,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the vllm serve command and exit."),
+) -> None:
+    """Start `vllm serve` with the KVCMAS connector (the deployment `serve-sweep --engine vllm
+    --engine-arg base_url=http://HOST:PORT` benchmarks). Prints the exact command, then runs it."""
+    import os
+    import shlex
+
+    from .serving.vllm.backend import _resolve_model
+    from .serving.vllm.http import ServerOptions, _dtype_arg, _has_cuda, serve_command
+
+    opts = ServerOptions.parse(_pairs("--engine-arg", engine_arg) or {})
+    path, _ = _resolve_model(model)
+    cpu = device == "cpu" or (device == "auto" and not _has_cuda())
+    cmd = serve_command(path, port, _dtype_arg(dtype, cpu), opts, cpu, host=host)
+    sys.stderr.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+    if dry_run:
+        return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts.kv_cache_gib))
+    os.execv(cmd[0], cmd)
 
 
 analyze_app = typer.Typer(

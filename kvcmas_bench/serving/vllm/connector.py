@@ -1,12 +1,20 @@
-"""The vLLM v1 KV connector of kvcmas-bench: puts the harness's shared-segment KV into vLLM's paged
-cache and copies the KV the harness needs back out.
+"""The vLLM v1 KV connector of kvcmas-bench: puts shared-segment KV into vLLM's paged cache and
+copies the KV the methods need back out.
 
 vLLM loads it from ``KVTransferConfig(kv_connector="KVCMASConnector",
 kv_connector_module_path="kvcmas_bench.serving.vllm.connector", kv_role="kv_both")`` and builds two
-instances, one per role. The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
-both instances and the harness share :data:`STORE`: before adding a request the harness registers a
-:class:`Plan` under a key and passes the key as ``SamplingParams(extra_args={"kv_transfer_params":
-{"kvcmas_key": key}})``.
+instances, one per role (scheduler and worker; in separate processes under ``vllm serve``). Plans
+reach it in one of two ways:
+
+- **Server** (``vllm serve``, the usual engine-core and worker processes): a request's
+  ``kv_transfer_params`` hold the kvcmas metadata (:mod:`.worker`). The scheduler side passes new
+  requests to the worker side in the step metadata and answers "not yet" (None) until the worker's
+  background thread has planned them with the method (the claim comes back in the worker
+  metadata); finished requests' outputs travel the same way, and report requests return the
+  records in the response's ``kv_transfer_params``.
+- **In-process** (``--engine vllm-inprocess``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the harness,
+  both instances and :data:`STORE` share one process; the harness registers a :class:`Plan` under
+  a key passed as ``{"kvcmas_key": key}``.
 
 A plan holds, for one request (positions are absolute prompt positions):
 
@@ -38,10 +46,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from .layout import KVLayout, slots_at, slots_of
 from .plan import KEY, STORE, Capture, Plan  # noqa: F401  (Capture, Plan: re-exported for callers)
+from .worker import WorkerRuntime, params_of
+
+#: the worker side's runtime (one per worker process)
+RUNTIME: WorkerRuntime | None = None
 
 
 @dataclass
@@ -51,11 +64,31 @@ class _Step:
     start: int  # first position computed in this step
     n: int  # positions computed in this step
     inject: tuple[int, int] | None = None
+    server: bool = False
 
 
 @dataclass
 class KVCMASMeta(KVConnectorMetadata):
     steps: list[_Step] = field(default_factory=list)
+    #: server mode: requests the worker has not seen (id, metadata, prompt tokens), and finished ones
+    new: list[tuple[str, dict, list[int]]] = field(default_factory=list)
+    finished: list[tuple[str, list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class KVCMASWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: planned claims, report answers, planning errors (rank 0 only)."""
+
+    claims: dict[str, int] = field(default_factory=dict)
+    answers: dict[str, list] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def aggregate(self, other):
+        if other is not None:
+            self.claims.update(other.claims)
+            self.answers.update(other.answers)
+            self.errors.update(other.errors)
+        return self
 
 
 def _key(request) -> str | None:
@@ -87,33 +120,87 @@ class KVCMASConnector(KVConnectorBase_V1):
         self._layouts: dict[str, KVLayout] = {}
         self._overrides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+        self._budget = int(float(extra["budget_gib"]) * 2**30) if extra.get("budget_gib") else None
+        tp = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
+        if tp > 1:
+            raise ValueError(
+                "KVCMASConnector runs with one worker (tensor_parallel_size = pipeline_parallel_size = 1): "
+                "its plans, sources and anchors hold every KV head, and the gate decides on all of them"
+            )
+        # scheduler side, server mode
+        self._server: set[str] = set()
+        self._asked: set[str] = set()
+        self._claims: dict[str, int] = {}
+        self._answers: dict[str, list] = {}
+        self._errors: dict[str, str] = {}
+        self._new: list[tuple[str, dict, list[int]]] = []
+        self._finished: list[tuple[str, list[int]]] = []
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
+        """Overrides run per layer (``wait_for_layer_load``) between attention pieces."""
+        return True
 
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        meta = params_of(request)
+        if meta is not None:
+            return self._server_match(request, meta, num_computed_tokens)
         key = _key(request)
         if key is None:
             return 0, False
         n = min(STORE.plans[key].prefix_len, request.num_prompt_tokens - 1)
         return max(0, n - num_computed_tokens), False
 
+    def _server_match(self, request, meta: dict, num_computed_tokens: int):
+        """Server mode: ask the worker once; None ("not yet": the request waits, others step) until
+        its plan (an agent) or its answer (a report) is in."""
+        rid = request.request_id
+        self._server.add(rid)
+        if rid not in self._asked:
+            self._asked.add(rid)
+            self._new.append((rid, meta, list(request.prompt_token_ids)))
+        op = meta.get("op")
+        if op == "capture":
+            return 0, False
+        if op == "report":
+            return (0, False) if rid in self._answers else (None, False)
+        if rid not in self._claims:
+            return None, False
+        n = min(self._claims[rid], request.num_prompt_tokens - 1)
+        return max(0, n - num_computed_tokens), False
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, KVCMASWorkerMeta):
+            self._claims.update(meta.claims)
+            self._answers.update(meta.answers)
+            self._errors.update(meta.errors)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        key = _key(request)
-        if key is None:
-            return
+        if request.request_id in self._server:
+            key = request.request_id
+        else:
+            key = _key(request)
+            if key is None:
+                return
+            STORE.claimed[key] = num_external_tokens
         self._keys[request.request_id] = key
-        STORE.claimed[key] = num_external_tokens
         if num_external_tokens > 0:
             self._inject[request.request_id] = num_external_tokens
 
     def _step(self, req_id: str, start: int, n: int) -> _Step:
         key = self._keys[req_id]
         ext = self._inject.pop(req_id, 0)
-        if STORE.record_steps:
+        server = req_id in self._server
+        if STORE.record_steps and not server:
             STORE.steps.setdefault(key, []).append((start, n))
-        return _Step(key, list(self._blocks[req_id]), start, n, (start - ext, start) if ext else None)
+        return _Step(key, list(self._blocks[req_id]), start, n, (start - ext, start) if ext else None, server)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = KVCMASMeta()
+        meta = KVCMASMeta(new=self._new, finished=self._finished)
+        self._new, self._finished = [], []
         sched = scheduler_output.num_scheduled_tokens
         for nr in scheduler_output.scheduled_new_reqs:
             if nr.req_id in self._keys:
@@ -139,13 +226,38 @@ class KVCMASConnector(KVConnectorBase_V1):
         self._inject.pop(req_id, None)
 
     def request_finished(self, request, block_ids):
-        self._drop(request.request_id)
-        return False, None
+        rid = request.request_id
+        self._drop(rid)
+        if rid not in self._server:
+            return False, None
+        self._server.discard(rid)
+        self._asked.discard(rid)
+        self._claims.pop(rid, None)
+        error = self._errors.pop(rid, None)
+        meta = params_of(request) or {}
+        if meta.get("op") == "report":
+            return False, {"kvcmas_reports": self._answers.pop(rid, [])}
+        self._finished.append((rid, list(request.output_token_ids)))
+        return False, ({"kvcmas_error": error} if error else None)
 
     # ---- worker side ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        global RUNTIME
         self._caches = dict(kv_caches)
         self._index = {name: _layer_index(name, i) for i, name in enumerate(kv_caches)}
+        if RUNTIME is None and kv_caches:
+            RUNTIME = _runtime(self._vllm_config, next(iter(kv_caches.values())).device, self._budget)
+
+    def _plan(self, st: _Step) -> Plan | None:
+        if st.server:
+            return RUNTIME.plan_of(st.key) if RUNTIME is not None else None
+        return STORE.plans.get(st.key)
+
+    def build_connector_worker_meta(self):
+        if RUNTIME is None:
+            return None
+        claims, answers, errors = RUNTIME.take_answers()
+        return KVCMASWorkerMeta(claims, answers, errors) if (claims or answers or errors) else None
 
     def _layout(self, name: str) -> KVLayout:
         lay = self._layouts.get(name)
@@ -172,8 +284,13 @@ class KVCMASConnector(KVConnectorBase_V1):
         """Called before every forward pass: prepare this step's overrides (slots and rows)."""
         super().bind_connector_metadata(connector_metadata)
         self._overrides = []
+        if RUNTIME is not None:  # finished first: a trajectory's next agent may arrive in the same step
+            for rid, output in getattr(connector_metadata, "finished", ()):
+                RUNTIME.finished(rid, output)
+            for rid, meta, prompt in getattr(connector_metadata, "new", ()):
+                RUNTIME.new_request(rid, meta, prompt)
         for st in getattr(connector_metadata, "steps", ()):
-            plan = STORE.plans.get(st.key)
+            plan = self._plan(st)
             for s, k, v in plan.overrides if plan is not None else ():
                 a, b = max(s, st.start), min(s + k.shape[2], st.start + st.n)
                 if a < b:
@@ -183,7 +300,7 @@ class KVCMASConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Write planned prefixes (synchronous loads: vLLM calls this before the forward pass)."""
         for st in self._get_connector_metadata().steps:
-            plan = STORE.plans.get(st.key)
+            plan = self._plan(st)
             if plan is None or st.inject is None or plan.prefix is None:
                 continue
             a, b = st.inject
@@ -210,7 +327,7 @@ class KVCMASConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         self._overrides = []
         for st in meta.steps:
-            plan = STORE.plans.get(st.key)
+            plan = self._plan(st)
             for cap in plan.captures if plan is not None else ():
                 b = min(cap.end, st.start + st.n)
                 if b <= cap.start:
@@ -225,3 +342,26 @@ class KVCMASConnector(KVConnectorBase_V1):
                     cap.k[li, :, rows] = k.transpose(0, 1).to(cap.k.dtype)
                     cap.v[li, :, rows] = v.transpose(0, 1).to(cap.v.dtype)
                 cap.filled[rows] = True
+            if st.server and RUNTIME is not None:
+                RUNTIME.captured(st.key)
+
+
+def _runtime(vllm_config, device, budget: int | None) -> WorkerRuntime:
+    """The worker's runtime: model facts from vLLM's config, K/V on the cache's device."""
+    from .backend import _rotary_inv_freq
+    from .flow import ModelFacts
+
+    mc = vllm_config.model_config
+    hf = mc.hf_config
+    facts = ModelFacts(
+        _rotary_inv_freq(hf),
+        hf.num_hidden_layers,
+        mc.get_num_kv_heads(vllm_config.parallel_config),
+        mc.get_head_size(),
+        mc.dtype,
+        device,
+        keep_ready=True,
+    )
+    eos = hf.eos_token_id
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+    return WorkerRuntime(facts, eos_ids, budget)

@@ -54,11 +54,16 @@ class ModelFacts:
     """What methods read from ``ctx.engine`` here: shapes, dtype, the rotary ``inv_freq``, and
     context-free references served by prefill-only requests (``ready``, filled by the client)."""
 
-    def __init__(self, inv_freq: torch.Tensor, n_layers: int, n_kv: int, head_dim: int, dtype, device):
+    def __init__(
+        self, inv_freq: torch.Tensor, n_layers: int, n_kv: int, head_dim: int, dtype, device, keep_ready: bool = False
+    ):
         self.inv_freq = inv_freq
         self.n_layers, self.n_kv, self.head_dim = n_layers, n_kv, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.ready: dict[tuple[int, ...], SegmentKV] = {}
+        #: keep references once served (the server side: the client asks for each one once); else
+        #: each is used by the one request that waited for it
+        self.keep_ready = keep_ready
 
     def empty(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.n_layers, self.n_kv, tokens, self.head_dim)
@@ -74,7 +79,7 @@ class ModelFacts:
         """The segment prefilled alone at positions 0.. (each call costs one prefill-only request)."""
         if tuple(keep_hidden) or embeds is not None:
             raise BenchError("hidden states and input embeddings are not available on the vLLM engine")
-        kv = self.ready.pop(tuple(ids), None)
+        kv = self.ready.get(tuple(ids)) if self.keep_ready else self.ready.pop(tuple(ids), None)
         if kv is None:
             raise NeedKV(ids)
         return SegmentKV(k=kv.k, v=kv.v, start=0, ids=tuple(ids), slot=slot)
@@ -184,11 +189,21 @@ class TrajectoryRun:
     """One trajectory's agents in order (a chain: agent j reads every earlier output), each planned
     with ``method`` into an :class:`EngineRequest`; the client drives it (see :mod:`.client`)."""
 
-    def __init__(self, rt: Runtime, trace: Trace, method, capture_outputs: bool, qps: float | None = None):
+    def __init__(
+        self,
+        rt: Runtime,
+        trace: Trace | None,
+        method,
+        capture_outputs: bool,
+        qps: float | None = None,
+        trajectory_id: str | None = None,
+    ):
         self.rt, self.trace, self.method, self.qps = rt, trace, method, qps
         self.plain = type(method).materialize is Method.materialize  # NonShared: every segment dense
         self.capture_outputs = capture_outputs and not self.plain
-        self.nodes = trace_nodes(trace)
+        #: ``trace`` None: the server side, which gets each agent's node and request from its metadata
+        self.nodes = trace_nodes(trace) if trace is not None else []
+        self.id = trace.id if trace is not None else trajectory_id
         self.store: dict[str, list[tuple[int, SegmentKV]]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.steps: list[AgentStep] = []
@@ -210,6 +225,11 @@ class TrajectoryRun:
         sources = _sources(self.store, node)
         req = self.trace.request(self.index, self.outputs, {slot: kv.agent for slot, kv in sources.items()})
         req.node = node.id
+        self.begin_request(node, req, arrival_s, sources)
+
+    def begin_request(self, node: Node, req: Request, arrival_s: float, sources=None) -> None:
+        """Agent ``self.index`` arrives with its ``node`` and whole ``req`` (sources: from the store)."""
+        sources = _sources(self.store, node) if sources is None else sources
         self.agent = _Agent(node, req, sources, arrival_s, self.method.counters())
 
     def plan(self) -> EngineRequest | NeedKV:
@@ -380,7 +400,7 @@ class TrajectoryRun:
                 method_stats={k: v - a.before.get(k, 0) for k, v in after.items() if v != a.before.get(k, 0)},
             )
         )
-        rec = request_records(UnitRun(self.trace.id, self.steps), self.rt.facts.n_layers, trajectory=self.trace.id)[-1]
+        rec = request_records(UnitRun(self.id, self.steps), self.rt.facts.n_layers, trajectory=self.id)[-1]
         rec.qps, rec.arrival_s, rec.start_s = self.qps, a.arrival_s, a.start_s
         rec.first_token_s, rec.completion_s = a.first_token_s, t
         rec.queue_s = a.start_s - a.arrival_s

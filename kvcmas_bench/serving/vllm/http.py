@@ -1,0 +1,602 @@
+"""``serve-sweep --engine vllm``: the harness as an HTTP client of a normal ``vllm serve`` deployment
+that loads :class:`~.connector.KVCMASConnector` (see :mod:`.worker` for what runs where).
+
+:func:`serve_command` is the deployment (``kvcmas-bench serve`` prints and runs it); the backend
+starts it on a free loopback port (or targets ``--engine-arg base_url=http://host:port``), and
+sends each trajectory over the OpenAI-compatible streaming completions API, as ``vllm bench serve``
+does: token-id prompts, greedy decoding, ``kv_transfer_params`` holding the request's small plan
+metadata. Trajectories arrive open-loop at their scheduled times (one client thread each); agent
+j + 1 is sent when agent j's stream ends; TTFT is taken at the first streamed token. Each
+trajectory's worker-side state is freed when its last agent finishes. After every QPS point one
+report request collects the worker's per-request records (segment statuses, costs, method
+accounting), which the client completes with its own clock.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from urllib.parse import urlparse
+
+from ...errors import BenchError
+from ...methods import Method, MethodSpec
+from ...results.request import RequestRecord
+from ..backends import Schedules, ServeResult
+from ..traces import Trace
+from .worker import agent_params, capture_params, report_params
+
+CONNECTOR_MODULE = "kvcmas_bench.serving.vllm.connector"
+CONNECTOR_CLASS = "KVCMASConnector"
+SERVED_NAME = "kvcmas-model"
+SERVER = (
+    "vLLM continuous batching behind its OpenAI-compatible server (`vllm serve` with KVCMASConnector), "
+    "served for real on the wall clock; agent j+1 of a trajectory is sent when agent j's stream ends; "
+    "TTFT at the first streamed token"
+)
+
+
+@dataclass
+class ServerOptions:
+    """Options of the served deployment (``--engine-arg KEY=VALUE``)."""
+
+    #: a running server to use instead of starting one (``http://host:port``)
+    base_url: str | None = None
+    #: tokens per KV block (None: 32 on CPU, vLLM's default on GPU)
+    block_size: int | None = None
+    #: CPU KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``)
+    kv_cache_gib: int = 1
+    #: GPU memory share for weights + KV cache
+    gpu_memory_utilization: float = 0.9
+    #: context length (None: the model's own)
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    #: vLLM's exact prefix cache (salted per method and QPS point, per request when injected)
+    prefix_caching: bool = False
+    #: CUDA graphs off (on GPU; the connector needs piecewise graphs, which vLLM then selects)
+    enforce_eager: bool = False
+    #: stop every request at its first token (the paper's TTFT setting, B.4)
+    stop_at_first_token: bool = False
+    #: worker-side byte budget for held K/V (GiB; None: unbounded)
+    budget_gib: float | None = None
+    #: seconds to wait for the server to come up
+    startup_timeout: float = 600.0
+    #: the ``vllm`` executable (None: next to this Python, else on PATH)
+    vllm_bin: str | None = None
+    #: more ``vllm serve`` arguments, as one shell-quoted string
+    extra_args: str | None = None
+
+    @classmethod
+    def parse(cls, options: dict) -> ServerOptions:
+        from .backend import _convert
+
+        known = {f.name: f for f in fields(cls)}
+        out = {}
+        for key, value in options.items():
+            key = key.replace("-", "_")
+            if key not in known:
+                raise BenchError(f"unknown --engine-arg {key!r} for --engine vllm; known: {', '.join(known)}")
+            typ = known[key].type
+            out[key] = value if "str" in typ and isinstance(value, str) else _convert(key, value, typ)
+        opts = cls(**out)
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib"):
+            v = getattr(opts, name)
+            if v is not None and v < 1:
+                raise BenchError(f"--engine-arg {name} must be a positive integer, got {v}")
+        if not 0 < opts.gpu_memory_utilization <= 1:
+            raise BenchError(
+                f"--engine-arg gpu_memory_utilization must lie in (0, 1], got {opts.gpu_memory_utilization}"
+            )
+        return opts
+
+
+def kv_transfer_config(budget_gib: float | None = None) -> dict:
+    extra = {"budget_gib": budget_gib} if budget_gib else {}
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def launcher(model: str, vllm_bin: str | None = None) -> list[str]:
+    """How to start vLLM's OpenAI-compatible server on ``model``: ``vllm serve MODEL`` with a given
+    ``vllm`` executable; else this Python's vLLM as ``python -m vllm.entrypoints.openai.api_server
+    --model MODEL`` (the same server; vllm-cpu 0.32.0's ``vllm`` script fails, its metadata being
+    named vllm-cpu); else ``vllm serve`` from PATH."""
+    import importlib.util
+
+    if vllm_bin:
+        if not Path(vllm_bin).exists():
+            raise BenchError(f"--engine-arg vllm_bin={vllm_bin}: no such file")
+        return [vllm_bin, "serve", model]
+    if importlib.util.find_spec("vllm") is not None:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    found = shutil.which("vllm")
+    if found:
+        return [found, "serve", model]
+    raise BenchError(
+        "vLLM is not installed here: `bash scripts/setup.sh --vllm`, or --engine-arg vllm_bin=PATH to a `vllm`, "
+        "or --engine-arg base_url=URL of a running `kvcmas-bench serve`"
+    )
+
+
+def serve_command(model: str, port: int, dtype: str, opts: ServerOptions, cpu: bool, host: str = "127.0.0.1") -> list:
+    """The command line of a vLLM deployment with the connector (``vllm serve`` and its flags)."""
+    cmd = launcher(model, opts.vllm_bin) + ["--host", host, "--port", str(port)]
+    cmd += ["--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0"]
+    cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(opts.budget_gib))]
+    cmd += ["--enable-prefix-caching" if opts.prefix_caching else "--no-enable-prefix-caching"]
+    # the connector hands finished requests' outputs to the worker in the next step's metadata and
+    # reads captures right after each forward; it is not checked under overlapped (async) scheduling
+    cmd += ["--no-async-scheduling"]
+    block = opts.block_size or (32 if cpu else None)
+    if block:
+        cmd += ["--block-size", str(block)]
+    for flag, value in (
+        ("--max-model-len", opts.max_model_len),
+        ("--max-num-seqs", opts.max_num_seqs),
+        ("--max-num-batched-tokens", opts.max_num_batched_tokens),
+    ):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if not cpu:
+        cmd += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+    if opts.enforce_eager:
+        cmd += ["--enforce-eager"]
+    if opts.extra_args:
+        import shlex
+
+        cmd += shlex.split(opts.extra_args)
+    return cmd
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A ``vllm serve`` process on a loopback port (stopped by :meth:`stop` or at exit)."""
+
+    def __init__(self, cmd: list, env: dict, port: int, timeout: float):
+        self.port = port
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvcmas-vllm-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        import atexit
+
+        atexit.register(self.stop)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise BenchError(f"vllm serve exited ({self.proc.returncode}): {self.tail()} (log: {self.log.name})")
+            if _healthy(port):
+                return
+            if time.monotonic() - t0 > timeout:
+                self.stop()
+                raise BenchError(f"vllm serve did not come up within {timeout:.0f} s (log: {self.log.name})")
+            time.sleep(0.5)
+
+    def tail(self, n: int = 3) -> str:
+        lines = [x for x in Path(self.log.name).read_text(errors="replace").splitlines() if x.strip()]
+        return " | ".join(lines[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _healthy(port: int, host: str = "127.0.0.1") -> bool:
+    try:
+        c = http.client.HTTPConnection(host, port, timeout=2)
+        c.request("GET", "/health")
+        ok = c.getresponse().status == 200
+        c.close()
+        return ok
+    except OSError:
+        return False
+
+
+# ---- the client -------------------------------------------------------------------------------
+@dataclass
+class Streamed:
+    """One streamed completion as the client saw it (times on the client's clock)."""
+
+    sent_s: float
+    first_s: float | None = None
+    done_s: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    first_logprobs: dict | None = None
+
+
+class HTTP:
+    """Completions over HTTP/1.1 (stdlib: a line arrives as soon as the server flushes it)."""
+
+    def __init__(self, base_url: str):
+        u = urlparse(base_url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+
+    def _conn(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=3600)
+
+    def post(self, body: dict) -> dict:
+        c = self._conn()
+        c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        if r.status != 200:
+            raise BenchError(f"vLLM server answered {r.status}: {data[:300].decode(errors='replace')}")
+        return json.loads(data)
+
+    def stream(self, body: dict, clock) -> Streamed:
+        out = Streamed(clock())
+        c = self._conn()
+        c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            raise BenchError(f"vLLM server answered {r.status}: {r.read()[:300].decode(errors='replace')}")
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:]
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise BenchError(f"vLLM server error: {chunk['error']}")
+            for ch in chunk.get("choices", []):
+                toks = ch.get("token_ids") or []
+                if toks and out.first_s is None:
+                    out.first_s = clock()
+                    lp = (ch.get("logprobs") or {}).get("top_logprobs")
+                    if lp:
+                        out.first_logprobs = {int(k.split(":", 1)[1]): float(v) for k, v in lp[0].items()}
+                out.tokens += toks
+        out.done_s = clock()
+        c.close()
+        return out
+
+
+@dataclass
+class ClientSession:
+    """One prepared method: its worker-side session id, and what the client must send for it."""
+
+    id: str
+    name: str
+    options: dict
+    references: bool
+    sent_refs: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class AgentSent:
+    key: str
+    trajectory: str
+    agent: str
+    arrival_s: float
+    streamed: Streamed
+    prompt: list[int] = field(default_factory=list)
+
+
+class HTTPBackend:
+    """Serve trace requests through ``vllm serve`` with the connector (see the module docstring)."""
+
+    name = "vllm"
+    server = SERVER
+    replays_service = False
+
+    def __init__(self, model, device: str, dtype: str, ignore_eos: bool, warmup: bool, opts: ServerOptions):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from ...modeling import check_supported
+        from .backend import _resolve_model
+
+        path, self.model_name = _resolve_model(model)
+        self.model_source = path
+        try:
+            self.config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as exc:
+            raise BenchError(f"cannot load model {model!r}: {str(exc).splitlines()[0]}") from None
+        check_supported(self.config)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.opts, self.dtype, self.ignore_eos, self.warmup = opts, dtype, ignore_eos, warmup
+        self.cpu = device == "cpu" or (device == "auto" and not _has_cuda())
+        self.server_proc: Server | None = None
+        self.command: list | None = None
+        if opts.base_url:
+            self.base_url = opts.base_url.rstrip("/")
+            if not _healthy(urlparse(self.base_url).port or 80, urlparse(self.base_url).hostname or "127.0.0.1"):
+                raise BenchError(f"no healthy vLLM server at {self.base_url} (GET /health failed)")
+        else:
+            port = _free_port()
+            self.command = serve_command(path, port, _dtype_arg(dtype, self.cpu), opts, self.cpu)
+            env = dict(os.environ)
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts.kv_cache_gib))
+            env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            self.server_proc = Server(self.command, env, port, opts.startup_timeout)
+            self.base_url = f"http://127.0.0.1:{port}"
+        self.http = HTTP(self.base_url)
+        self.max_model_len = opts.max_model_len or int(getattr(self.config, "max_position_embeddings", 4096) or 4096)
+        self.system_sent: set = set()
+        self.logprobs: int | None = None
+        self._n = 0
+        if warmup:
+            self._request([1] * 8, 2, None)
+
+    # ---- Backend attributes ------------------------------------------------------------------
+    @property
+    def max_positions(self) -> int | None:
+        return self.max_model_len
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.config, "vocab_size", None)
+
+    @property
+    def why_unsupported(self):
+        return why_not_http
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "engine": "vLLM OpenAI-compatible server (`vllm serve`) + KVCMASConnector, harness as HTTP client",
+            "base_url": self.base_url,
+            "command": self.command,
+            "device": "cpu" if self.cpu else "cuda",
+            "dtype": self.dtype,
+            "ignore_eos": self.ignore_eos,
+            "warmup": self.warmup,
+            "decoding": "greedy",
+            "options": asdict(self.opts),
+            "stop_at_first_token": self.opts.stop_at_first_token,
+            "clock": "client wall clock (time.perf_counter); TTFT at the first streamed token",
+            "prefix_cache": "salted per method session and QPS point; injected requests salted per request",
+        }
+
+    def close(self) -> None:
+        if self.server_proc is not None:
+            self.server_proc.stop()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _body(self, prompt: Sequence[int], max_tokens: int, params: dict | None, salt: str | None = None) -> dict:
+        body = {
+            "model": SERVED_NAME,
+            "prompt": [int(t) for t in prompt],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        if self.logprobs:
+            body["logprobs"] = self.logprobs
+        if params is not None:
+            body["kv_transfer_params"] = params
+        if salt:
+            body["cache_salt"] = salt
+        return body
+
+    def _request(self, prompt, max_tokens: int, params: dict | None, salt: str | None = None) -> dict:
+        return self.http.post(self._body(prompt, max_tokens, params, salt))
+
+    def _key(self) -> str:
+        self._n += 1
+        return f"k{self._n}-{uuid.uuid4().hex[:8]}"
+
+    def _system_prompts(self, sess: ClientSession, traces: Sequence[Trace]) -> None:
+        """Exact K/V of every agent's system prompt, captured on the worker once before timing."""
+        for tr in traces:
+            for a in tr.agents:
+                segs = a.segments
+                if len(segs) > 1 and segs[0]["kind"] == "PF" and segs[0]["ids"] and segs[1]["kind"] == "PH":
+                    ids = tuple(segs[0]["ids"])
+                    if ids not in self.system_sent:
+                        self._request(ids, 1, capture_params(sess.id, "system"), salt=self._key())
+                        self.system_sent.add(ids)
+
+    def _reference(self, sess: ClientSession, ids: tuple[int, ...]) -> None:
+        """A context-free prefill of shared content, once per content per session (the worker keeps
+        it); concurrent agents needing the same one wait for the first request."""
+        with sess.lock:
+            ev = sess.sent_refs.get(ids)
+            mine = ev is None
+            if mine:
+                ev = sess.sent_refs[ids] = threading.Event()
+        if mine:
+            self._request(ids, 1, capture_params(sess.id, "reference"), salt=self._key())
+            ev.set()
+        else:
+            ev.wait()
+
+    def _trajectory(self, sess: ClientSession, trace: Trace, qps, arrival: float | None, t0: float, out: list) -> None:
+        """One trajectory's agents in order; ``arrival`` (None: now, single stream) on the point's clock."""
+        now = lambda: time.perf_counter() - t0  # noqa: E731
+        if arrival is not None and arrival > now():
+            time.sleep(arrival - now())
+        outputs: dict[str, list[int]] = {}
+        tid = f"{trace.id}@{qps}"
+        n = len(trace.agents)
+        stop_first = self.opts.stop_at_first_token
+        for i, spec in enumerate(trace.agents):
+            arr = arrival if (i == 0 and arrival is not None) else now()
+            req = trace.request(i, outputs)
+            req.node = spec.name
+            if sess.references:
+                for seg in req.segments:
+                    if seg.kind == "PH":
+                        self._reference(sess, tuple(seg.ids))
+            key = self._key()
+            params = agent_params(
+                sess.id,
+                sess.name,
+                sess.options,
+                tid,
+                i,
+                req,
+                list(range(i)),
+                key,
+                last=i == n - 1,
+                capture_output=not stop_first,
+                ignore_eos=self.ignore_eos,
+            )
+            salt = f"{sess.id}-{qps}" + (f"-{key}" if sess.name != "nonshared" else "")
+            max_tokens = 1 if stop_first else req.max_new_tokens + 1
+            got = self.http.stream(self._body(req.prompt_ids, max_tokens, params, salt), now)
+            toks = got.tokens[: 1 if stop_first else req.max_new_tokens]
+            if not self.ignore_eos:
+                eos = self.config.eos_token_id
+                eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+                for j, t in enumerate(toks):
+                    if t in eos:
+                        toks = toks[:j]
+                        break
+            outputs[spec.name] = toks
+            out.append(AgentSent(key, trace.id, spec.name, arr, got, list(req.prompt_ids)))
+
+    def _serve_point(self, sess: ClientSession, traces, arrivals, qps) -> list[AgentSent]:
+        sent: list[AgentSent] = []
+        t0 = time.perf_counter()
+        if arrivals is None:  # single stream: one trajectory after another
+            for tr in traces:
+                self._trajectory(sess, tr, qps, None, t0, sent)
+            return sent
+        threads = []
+        errors: list[BaseException] = []
+
+        def run(tr, at):
+            try:
+                self._trajectory(sess, tr, qps, at, t0, sent)
+            except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
+                errors.append(exc)
+
+        for tr, at in zip(traces, arrivals):
+            th = threading.Thread(target=run, args=(tr, float(at)), daemon=True)
+            th.start()
+            threads.append(th)
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+        return sent
+
+    def report(self, sess: ClientSession, end: bool = False) -> tuple[dict, dict[str, dict]]:
+        """The worker's records of ``sess`` finished so far, by request key, and its session figures."""
+        resp = self._request([1], 1, report_params(sess.id, end), salt=self._key())
+        reports = (resp.get("kv_transfer_params") or {}).get("kvcmas_reports")
+        if reports is None:
+            raise BenchError("the vLLM server did not answer the report (is it running KVCMASConnector?)")
+        session = next((r["session"] for r in reports if "session" in r), {})
+        return session, {r.pop("kvcmas_key"): r for r in reports if "kvcmas_key" in r}
+
+    def _records(self, sess: ClientSession, sent: list[AgentSent], qps) -> list[RequestRecord]:
+        session, by_key = self.report(sess)
+        out = []
+        for s in sorted(sent, key=lambda s: s.streamed.done_s):
+            d = by_key.get(s.key)
+            if d is None:
+                raise BenchError(f"the vLLM worker has no record of request {s.key}")
+            if "error" in d and "segments" not in d:
+                raise BenchError(f"the vLLM worker could not plan request {s.key}: {d['error']}")
+            rec = RequestRecord.from_dict(d)
+            st = s.streamed
+            rec.qps, rec.arrival_s, rec.start_s = qps, s.arrival_s, st.sent_s
+            rec.first_token_s, rec.completion_s = st.first_s, st.done_s
+            rec.queue_s = st.sent_s - s.arrival_s
+            rec.ttft_s, rec.e2e_s = st.first_s - s.arrival_s, st.done_s - s.arrival_s
+            out.append(rec)
+        self.last_session = session
+        return out
+
+    # ---- the Backend protocol ------------------------------------------------------------------
+    def session(self, spec: MethodSpec) -> tuple[Method, ClientSession]:
+        reason = why_not_http(spec.cls)
+        if reason:
+            raise BenchError(f"--engine vllm cannot run {spec.name}: {reason}")
+        m = spec()
+        sess = ClientSession(
+            f"{spec.name}-{uuid.uuid4().hex[:8]}", spec.cls.name, dict(spec.kwargs), m.reuse_from == "reference"
+        )
+        m._kvcmas_session = sess  # type: ignore[attr-defined]
+        return m, sess
+
+    def prepare(self, spec: MethodSpec, calibration: Sequence[Trace]) -> Method:
+        """A fresh worker-side session; online learners warm up on every held-out trajectory."""
+        m, sess = self.session(spec)
+        held = list(calibration)
+        if self.warmup and held:
+            self._system_prompts(sess, held)
+            warm = held if m.learns_online else held[:1]
+            self._serve_point(sess, warm, None, "warmup")
+            self.report(sess)
+        return m
+
+    def run_trajectory(self, trace: Trace, method: Method, qps=None) -> list[RequestRecord]:
+        sess = method._kvcmas_session  # type: ignore[attr-defined]
+        self._system_prompts(sess, [trace])
+        self.last_sent = self._serve_point(sess, [trace], None, qps)
+        return self._records(sess, self.last_sent, qps)
+
+    def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult:
+        sess = method._kvcmas_session  # type: ignore[attr-defined]
+        self._system_prompts(sess, traces)
+        timelines = {}
+        for q, arrivals in schedules.items():
+            sent = self._serve_point(sess, traces, None if arrivals is None else list(arrivals), q)
+            timelines[q] = self._records(sess, sent, q)
+        self.report(sess, end=True)
+        return ServeResult(timelines, None)
+
+
+def why_not_http(method_cls) -> str | None:
+    from . import why_not
+
+    reason = why_not(method_cls)
+    if reason:
+        return reason
+    if getattr(method_cls, "needs_calibration", False):
+        return (
+            "its offline calibration is not sent over HTTP yet (use --engine vllm-inprocess, which calibrates "
+            "through vLLM in the harness's process)"
+        )
+    return None
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _dtype_arg(dtype: str, cpu: bool) -> str:
+    if dtype in (None, "", "auto"):
+        return "float32" if cpu else "bfloat16"
+    return dtype

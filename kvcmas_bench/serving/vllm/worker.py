@@ -1,0 +1,391 @@
+"""The connector's worker side in a normal vLLM deployment (``vllm serve`` with the connector): the
+methods run here, next to the paged KV cache, from metadata the requests carry.
+
+A request's ``kv_transfer_params`` hold ``{"kvcmas": {...}}`` (:func:`agent_params`,
+:func:`capture_params`, :func:`report_params` build them on the client): for an agent, its session
+(one method instance with its options: its pools live here for the whole session), trajectory,
+position in it, node (id and ancestors) and its segments as lengths, kinds and slot ids. The prompt
+tokens come with the request. No tensor crosses the wire.
+
+:class:`WorkerRuntime` keeps, per session, each live trajectory's materialized segments and
+captured outputs (the sources of its later agents; freed when its last agent finishes, and
+evicted least-recently-used beyond a byte budget), the agents' system-prompt K/V and the
+context-free references (captured by prefill-only requests the client sends once per content).
+Every piece of method work (planning a request: gate, correction, re-alignment; anchor updates
+after a dense prefill; chaining and the request's record at its end) runs in one background
+thread, in arrival order, so it never runs inside an engine step: a request whose plan is not
+ready is simply not scheduled yet (``get_num_new_matched_tokens`` answers None), and the other
+requests keep stepping. The plan itself (:class:`~.plan.Plan`: prefix, overrides, captures) is
+executed by the connector exactly as on the in-process engine, through
+:func:`~.flow.TrajectoryRun.plan`, so both engines share the methods' plan code.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ...engine import Request, Segment, SegmentKV
+from ...methods.knobs import method_class
+from ...workflow import Node
+from ...workloads.base import Role
+from .flow import EngineRequest, ModelFacts, NeedKV, Runtime, TrajectoryRun
+from .plan import Capture, Plan
+
+PROTOCOL = "kvcmas"
+VERSION = 1
+
+
+# ---- the wire format (client side) ------------------------------------------------------------
+def agent_params(
+    session: str,
+    method: str,
+    options: dict,
+    trajectory: str,
+    index: int,
+    req: Request,
+    ancestors: list[int],
+    key: str,
+    last: bool,
+    capture_output: bool = True,
+    ignore_eos: bool = True,
+) -> dict:
+    """``kv_transfer_params`` of one agent request: small metadata, never tensors."""
+    return {
+        PROTOCOL: {
+            "v": VERSION,
+            "op": "agent",
+            "session": session,
+            "method": method,
+            "options": options,
+            "trajectory": trajectory,
+            "index": index,
+            "agent": req.agent,
+            "node": req.node or req.agent,
+            "ancestors": list(ancestors),
+            "segments": [
+                {
+                    "kind": s.kind,
+                    "n": len(s.ids),
+                    "slot": s.slot,
+                    "name": s.name,
+                    "content_key": s.content_key,
+                    "schedule": s.schedule,
+                }
+                for s in req.segments
+            ],
+            "max_new_tokens": req.max_new_tokens,
+            "capture_output": capture_output,
+            "ignore_eos": ignore_eos,
+            "last": last,
+            "key": key,
+        }
+    }
+
+
+def capture_params(session: str, what: str) -> dict:
+    """A prefill-only request whose K/V (positions 0..) the worker keeps: ``what`` is "system" (an
+    agent's system prompt, exact) or "reference" (a context-free prefill of shared content)."""
+    return {PROTOCOL: {"v": VERSION, "op": "capture", "session": session, "what": what}}
+
+
+def report_params(session: str, end: bool = False) -> dict:
+    """A one-token request answered with every record of ``session`` finished so far (in the
+    non-streamed response's ``kv_transfer_params``); ``end`` also drops the session."""
+    return {PROTOCOL: {"v": VERSION, "op": "report", "session": session, "end": end}}
+
+
+def params_of(request) -> dict | None:
+    """The kvcmas metadata of a vLLM request, or None."""
+    p = getattr(request, "kv_transfer_params", None) or {}
+    meta = p.get(PROTOCOL)
+    return meta if isinstance(meta, dict) and meta.get("v") == VERSION else None
+
+
+def request_from(meta: dict, prompt: list[int]) -> tuple[Node, Request]:
+    """The agent's node and whole request, rebuilt from its metadata and prompt tokens."""
+    segs, pos = [], 0
+    for s in meta["segments"]:
+        n = int(s["n"])
+        segs.append(
+            Segment(
+                s["kind"],
+                list(prompt[pos : pos + n]),
+                slot=s.get("slot"),
+                name=s.get("name") or "",
+                content_key=s.get("content_key"),
+                schedule=s.get("schedule"),
+            )
+        )
+        pos += n
+    if pos != len(prompt):
+        raise ValueError(f"segments cover {pos} tokens, the prompt has {len(prompt)}")
+    ancestors = [int(i) for i in meta["ancestors"]]
+    node = Node(meta["node"], Role(meta["node"], "", ""), ancestors, set(ancestors), final=bool(meta.get("last")))
+    return node, Request(meta["agent"], segs, int(meta["max_new_tokens"]), node=meta["node"])
+
+
+# ---- the worker side ----------------------------------------------------------------------------
+@dataclass
+class Live:
+    """A request the worker holds a plan for (agents), or captures for (prefill-only requests)."""
+
+    meta: dict
+    plan: Plan | None = None
+    session: Session | None = None
+    trajectory: TrajectoryRun | None = None
+    capture: Capture | None = None
+    ids: tuple[int, ...] = ()
+    claim: int = 0
+    prompt_done: bool = False
+    error: str | None = None
+
+
+@dataclass
+class Session:
+    """One method instance (its pools) and the trajectories it serves."""
+
+    method: object
+    rt: Runtime
+    trajectories: OrderedDict = field(default_factory=OrderedDict)
+    reports: list = field(default_factory=list)
+    evicted: int = 0
+
+
+class WorkerRuntime:
+    """Method work next to vLLM's KV cache (see the module docstring). ``budget_bytes`` bounds the
+    K/V held for live trajectories and captured references (least recently used go first)."""
+
+    def __init__(self, facts: ModelFacts, eos_ids: set[int], budget_bytes: int | None = None, rank: int = 0):
+        self.facts, self.eos_ids, self.budget, self.rank = facts, set(eos_ids), budget_bytes, rank
+        self.system_kv: dict[tuple[int, ...], SegmentKV] = {}
+        self.sessions: dict[str, Session] = {}
+        self.live: dict[str, Live] = {}
+        self.lock = threading.Lock()
+        #: answers for the scheduler side (through the connector's worker metadata)
+        self.claims: dict[str, int] = {}
+        self.answers: dict[str, list] = {}
+        self.errors: dict[str, str] = {}
+        self.jobs: queue.Queue = queue.Queue()
+        self.busy_s = 0.0
+        self._thread = threading.Thread(target=self._loop, name="kvcmas-method-work", daemon=True)
+        self._thread.start()
+
+    # ---- the background thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        import time
+
+        while True:
+            fn = self.jobs.get()
+            if fn is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except Exception:  # a failed job must not stop the worker: report it, go on
+                traceback.print_exc()
+            self.busy_s += time.perf_counter() - t0
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self.jobs.put(fn)
+
+    def drain(self) -> None:
+        """Wait until every queued job ran (tests)."""
+        done = threading.Event()
+        self.submit(done.set)
+        done.wait()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def session(self, meta: dict) -> Session:
+        name = meta["session"]
+        s = self.sessions.get(name)
+        if s is None:
+            method = method_class(meta["method"])(**(meta.get("options") or {}))
+            rt = Runtime(self.facts, system_kv=self.system_kv, eos_ids=self.eos_ids)
+            rt.ignore_eos = bool(meta.get("ignore_eos", True))
+            s = Session(method, rt)
+            self.sessions[name] = s
+        return s
+
+    # ---- what the connector calls ----------------------------------------------------------------
+    def new_request(self, req_id: str, meta: dict, prompt: list[int]) -> None:
+        """A request with kvcmas metadata reached the worker: plan it (agents), or get its capture
+        ready (prefill-only requests), or answer it (reports), off the engine's thread."""
+        op = meta.get("op")
+        if op == "capture":
+            k, v = self.facts.empty(len(prompt))
+            with self.lock:
+                self.live[req_id] = Live(meta, capture=Capture(0, k, v), ids=tuple(prompt))
+            return
+        if op == "report":
+            self.submit(lambda: self._report(req_id, meta))
+            return
+        with self.lock:
+            self.live[req_id] = Live(meta)
+        self.submit(lambda: self._plan(req_id, meta, prompt))
+
+    def _plan(self, req_id: str, meta: dict, prompt: list[int]) -> None:
+        live = self.live[req_id]
+        try:
+            sess = self.session(meta)
+            traj = sess.trajectories.get(meta["trajectory"])
+            if traj is None:
+                traj = TrajectoryRun(
+                    sess.rt, None, sess.method, bool(meta.get("capture_output", True)), trajectory_id=meta["trajectory"]
+                )
+                sess.trajectories[meta["trajectory"]] = traj
+            sess.trajectories.move_to_end(meta["trajectory"])
+            node, req = request_from(meta, prompt)
+            traj.index = int(meta["index"])
+            traj.begin_request(node, req, 0.0)
+            got = traj.plan()
+            if isinstance(got, NeedKV):
+                raise RuntimeError(
+                    f"no context-free reference of a {len(got.ids)}-token segment on the worker "
+                    "(the client sends one capture request per content before the agent)"
+                )
+            assert isinstance(got, EngineRequest)
+            if list(got.prompt) != list(prompt):
+                raise RuntimeError("the plan's prompt differs from the request's")
+            traj.submitted(0.0)
+            live.session, live.trajectory, live.plan = sess, traj, got.plan
+            live.claim = min(got.plan.prefix_len if got.plan is not None else 0, len(prompt) - 1)
+            self._evict(sess)
+        except Exception as exc:  # serve it dense, say why in its record
+            traceback.print_exc()
+            live.error = f"{type(exc).__name__}: {exc}"
+            live.plan, live.claim = None, 0
+        with self.lock:
+            self.claims[req_id] = live.claim
+            if live.error:
+                self.errors[req_id] = live.error
+
+    def plan_of(self, req_id: str) -> Plan | None:
+        live = self.live.get(req_id)
+        return None if live is None else (live.plan if live.capture is None else Plan(captures=[live.capture]))
+
+    def captured(self, req_id: str) -> None:
+        """After a step wrote K/V of ``req_id``: a complete capture request is kept; an agent whose
+        dense segments are all in gets its deferred method work (anchor updates) queued."""
+        live = self.live.get(req_id)
+        if live is None:
+            return
+        if live.capture is not None:
+            if live.capture.complete and not live.prompt_done:
+                live.prompt_done = True
+                kv = SegmentKV(k=live.capture.k, v=live.capture.v, start=0, ids=live.ids)
+                with self.lock:
+                    if live.meta.get("what") == "system":
+                        self.system_kv[live.ids] = kv
+                    else:
+                        self.facts.ready[live.ids] = kv
+            return
+        if live.plan is None or live.prompt_done or live.trajectory is None:
+            return
+        agent = live.trajectory.agent
+        if agent is not None and all(c.complete for c in agent.captures):
+            live.prompt_done = True
+            self.submit(lambda: live.trajectory.first_token(0.0, None))
+
+    def finished(self, req_id: str, output: list[int]) -> None:
+        """The request completed with ``output`` tokens: chain its caches and write its record."""
+        live = self.live.get(req_id)
+        if live is None:
+            return
+        if live.capture is not None:
+            with self.lock:
+                self.live.pop(req_id, None)
+            return
+        self.submit(lambda: self._finish(req_id, live, list(output)))
+
+    def _finish(self, req_id: str, live: Live, output: list[int]) -> None:
+        with self.lock:
+            self.live.pop(req_id, None)
+            self.claims.pop(req_id, None)
+        meta = live.meta
+        if live.trajectory is None or live.session is None:
+            sess = self.sessions.get(meta["session"])
+            if sess is not None:
+                sess.reports.append({"kvcmas_key": meta["key"], "error": live.error or "not planned"})
+            return
+        traj, sess = live.trajectory, live.session
+        try:
+            if not live.prompt_done and traj.agent is not None:
+                traj.first_token(0.0, None)
+            if traj.agent is not None and output:
+                traj.agent.first_token = output[0]
+            rec = traj.finished(0.0, output, live.claim).to_dict()
+        except Exception as exc:
+            traceback.print_exc()
+            rec = {"error": f"{type(exc).__name__}: {exc}"}
+        rec["kvcmas_key"] = meta["key"]
+        sess.reports.append(rec)
+        if meta.get("last"):
+            sess.trajectories.pop(meta["trajectory"], None)
+
+    def _report(self, req_id: str, meta: dict) -> None:
+        sess = self.sessions.get(meta["session"])
+        out: list = []
+        if sess is not None:
+            out, sess.reports = sess.reports, []
+            extra = {
+                "method_state_bytes": sess.method.state_bytes(),
+                "live_trajectories": len(sess.trajectories),
+                "trajectories_evicted": sess.evicted,
+                "held_bytes": self.held_bytes(),
+                "method_work_s": self.busy_s,
+            }
+            layout = getattr(sess.method, "state_layout", None)
+            if callable(layout):
+                extra["method_state"] = layout()
+            out = [{"session": extra}] + out
+            if meta.get("end"):
+                self.sessions.pop(meta["session"], None)
+        with self.lock:
+            self.answers[req_id] = out
+
+    # ---- memory --------------------------------------------------------------------------------
+    def held_bytes(self) -> int:
+        """K/V this worker holds for live trajectories, references and system prompts."""
+        seen, total = set(), 0
+        kvs = list(self.system_kv.values()) + list(self.facts.ready.values())
+        for s in self.sessions.values():
+            for traj in s.trajectories.values():
+                kvs += [kv for hist in traj.store.values() for _, kv in hist]
+        for kv in kvs:
+            if id(kv.k) not in seen:
+                seen.add(id(kv.k))
+                total += kv.k.nbytes + kv.v.nbytes
+        return total
+
+    def _evict(self, current: Session) -> None:
+        """Beyond the budget: drop references, then whole trajectories, least recently used first
+        (never the one being served); a later agent of an evicted trajectory finds no source."""
+        if self.budget is None:
+            return
+        while self.held_bytes() > self.budget:
+            if self.facts.ready:
+                with self.lock:
+                    self.facts.ready.pop(next(iter(self.facts.ready)))
+                continue
+            victims = [(s, t) for s in self.sessions.values() for t in list(s.trajectories)[:-1]]
+            if not victims:
+                return
+            s, t = victims[0]
+            s.trajectories.pop(t)
+            s.evicted += 1
+
+    # ---- the scheduler side's answers ------------------------------------------------------------
+    def take_answers(self) -> tuple[dict[str, int], dict[str, list], dict[str, str]]:
+        with self.lock:
+            claims, self.claims = self.claims, {}
+            answers, self.answers = self.answers, {}
+            errors, self.errors = self.errors, {}
+        return claims, answers, errors

