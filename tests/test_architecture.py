@@ -1,5 +1,6 @@
 """The house rules: no import circle, knobs as data (a method added from a test file runs through
-``run`` and ``serve-sweep``), backends as plugins (a fake backend serves a sweep)."""
+``run`` and ``serve-sweep``), methods and workloads known by their classes only (one added here
+shows up in Table 1 and the figures), backends as plugins (a fake backend serves a sweep)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,22 @@ from pathlib import Path
 import pytest
 
 import kvcmas_bench
-from kvcmas_bench.methods import Method, register
+from kvcmas_bench.errors import BenchError
+from kvcmas_bench.methods import Method, get_method, register
 from kvcmas_bench.methods.base import METHODS, check
+from kvcmas_bench.report.plots import COLORS, display, pareto_axes
+from kvcmas_bench.report.tables import METHOD_ORDER, table1
+from kvcmas_bench.results.frames import load_dirs
 from kvcmas_bench.results.request import RequestRecord
-from kvcmas_bench.serving.backends import BACKENDS, ServeResult, register_backend
+from kvcmas_bench.serving.backends import BACKENDS, ServeResult, get_backend, register_backend
+from kvcmas_bench.serving.plots import LABELS
 from kvcmas_bench.serving.queueing import simulate
+from kvcmas_bench.workloads import get_workload
+from kvcmas_bench.workloads.base import WORKLOADS, Workload
+from kvcmas_bench.workloads.base import register as register_workload
 
 from .conftest import run_cli
+from .synthetic import make_run
 
 PKG = Path(kvcmas_bench.__file__).parent
 
@@ -225,6 +235,80 @@ def test_toy_method_runs_through_serve_sweep(tiny_model_dir, tmp_path, public_te
         )
         == 2
     )
+
+
+# ---- a method and a workload named only here: Table 1 and the figures know them -----------------
+@dataclass
+class ToyDense(Method):
+    """Test-only method: dense prefill, placed between NonShared and FullShared, no colour of its own."""
+
+    name = "toy"
+    summary = "test method: dense prefill"
+    label, order = "Toy (test)", 15
+
+
+class ToyWorkload(Workload):
+    """Test-only workload whose answers are compared on the final output."""
+
+    name = "toy-wl"
+    summary = "test workload"
+    answer_field = "final_output"
+
+
+@pytest.fixture
+def toy_method_and_workload():
+    register(ToyDense)
+    register_workload(ToyWorkload)
+    yield
+    METHODS.pop(ToyDense.name, None)
+    WORKLOADS.pop(ToyWorkload.name, None)
+
+
+def _set_final_outputs(run_dir: Path, outputs: dict[str, str]) -> None:
+    path = run_dir / "samples.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    for r in rows:
+        r["final_output"] = outputs.get(r["sample_id"], r["final_output"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_method_and_workload_defined_here_reach_table1_and_the_figures(tmp_path, toy_method_and_workload):
+    preds = ["A", "B", "C", "D", "A", "B"]  # all correct (synthetic.GOLD)
+    ns = make_run(tmp_path / "ns", "nonshared", preds, workload="toy-wl", latency=2.0)
+    fs = make_run(tmp_path / "fs", "fullshared", preds[:5] + ["C"], workload="toy-wl", latency=1.0)
+    toy = make_run(tmp_path / "toy", "toy", preds, workload="toy-wl", latency=1.5)
+    # NonShared's predictions, but two final outputs differ: toy-wl compares final outputs
+    _set_final_outputs(toy, {"mmlu-0": "Answer: A, surely", "mmlu-3": "D?"})
+    t = table1(load_dirs([fs, toy, ns]))
+    assert list(t["method"]) == ["nonshared", "toy", "fullshared"]  # by ``order``: 10, 15, 20
+    assert list(METHOD_ORDER)[:3] == ["nonshared", "toy", "fullshared"]
+    row = t.set_index("method").loc["toy"]
+    assert row["accuracy"] == 1.0 and row["answer_agreement"] == pytest.approx(4 / 6)  # predictions: 6/6
+
+    assert LABELS["toy"] == "Toy (test)" and display("toy rho=0.5") == "Toy (test) rho=0.5"
+    # the methods' colours of every figure so far (C<i> in the order they were listed), and the next
+    # free one for the newcomer
+    before = ["nonshared", "fullshared", "kvcmas", "kvcmas-nonchained", "kvcomm", "graphflow", "cacheblend"]
+    before += ["droidspeak", "relaycaching"]
+    colors = dict(COLORS)
+    assert {m: colors[m] for m in before} == {m: f"C{i}" for i, m in enumerate(before)}
+    assert colors["toy"] == "C9"
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    fig, ax = pareto_axes(t, "latency_s", "accuracy", "t")
+    drawn = {a.get_gid(): a for a in ax.get_children() if a.get_gid()}
+    assert tuple(drawn["point:toy"].get_edgecolor()[0]) == pytest.approx(to_rgba("C9"))
+    assert drawn["label:toy"].get_text() == "Toy (test)"
+    plt.close(fig)
+
+
+def test_one_message_for_an_unknown_name_in_every_registry():
+    for get, kind in ((get_method, "method"), (get_workload, "workload"), (get_backend, "--engine")):
+        with pytest.raises(BenchError, match=rf"^unknown {kind} 'nope'; use one of "):
+            get("nope")
+    with pytest.raises(BenchError, match="use one of .*kvcmas, kvcmas-nonchained, kvcomm"):
+        get_method("_hidden")
 
 
 # ---- a backend added from this file only --------------------------------------------------------

@@ -20,13 +20,11 @@ from typing import ClassVar
 
 from ..engine import SegmentContext, SegmentKV
 from ..errors import OptionError
+from ..registry import Registry
 
-METHODS: dict[str, type[Method]] = {}
-
-
-def register(cls: type[Method]) -> type[Method]:
-    METHODS[cls.name] = cls
-    return cls
+#: name -> method class, filled by ``@register`` as the method modules are imported
+METHODS: Registry[type[Method]] = Registry("method")
+register = METHODS.register
 
 
 def state(default=dataclasses.MISSING, *, init: bool = False, **kw):
@@ -48,6 +46,16 @@ def check(ok: bool, message: str) -> None:
 class Method:
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    # How tables and figures show the method (read from the class itself, not inherited: a
+    # registered subclass sets its own); see ``methods.method_order``/``method_labels``/``method_colors``.
+    #: display name (default: ``name``)
+    label: ClassVar[str] = ""
+    #: row position in tables, lower first (None: after the ordered ones, as registered)
+    order: ClassVar[float | None] = None
+    #: matplotlib colour, the same in every figure ("": the next free ``C<i>``)
+    color: ClassVar[str] = ""
+    #: the line's name in the chained vs non-chained TTFT figure (""; not drawn there)
+    chain_label: ClassVar[str] = ""
     #: offline profiling needed before evaluation (see ``calibrate``)
     needs_calibration: ClassVar[bool] = False
     #: calibration observations should include the context-free reference cache

@@ -48,6 +48,7 @@ class CacheBlend(Method):
     """
 
     name = "cacheblend"
+    label, order, color = "CacheBlend", 30, "C6"
     summary = "recompute all tokens to a check layer, then only the top-deviation tokens (CacheBlend)"
     needs_model_internals = True
 

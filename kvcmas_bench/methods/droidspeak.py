@@ -72,6 +72,7 @@ class DroidSpeak(Method):
     """
 
     name = "droidspeak"
+    label, order, color = "DroidSpeak", 40, "C7"
     summary = "recompute all tokens in profiled contiguous layer groups from the source's hidden states"
     needs_model_internals = True
     needs_calibration = True

@@ -12,6 +12,7 @@ from .base import Method, register
 @dataclass
 class FullShared(Method):
     name = "fullshared"
+    label, order, color = "FullShared", 20, "C1"
     summary = "reuse the aligned source cache as is (fastest, least accurate)"
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:

@@ -33,6 +33,7 @@ from .base import Method, register, state
 @dataclass
 class GraphFlow(Method):
     name = "graphflow"
+    label, order, color = "GraphFlow", 60, "C5"
     summary = "calibrated per-(slot, consumer) mean corrections on a context-free reference"
     needs_calibration = True
     calibration_reference = True

@@ -136,11 +136,8 @@ def convert(cls: type[Method], key: str, value):
 
 
 def method_class(name: str) -> type[Method]:
-    if name not in METHODS or name.startswith("_"):
-        raise BenchError(
-            f"unknown method {name!r}; available: {', '.join(sorted(n for n in METHODS if not n.startswith('_')))}"
-        )
-    return METHODS[name]
+    """The registered class of method ``name`` (one ``BenchError`` line when there is none)."""
+    return METHODS.lookup(name)
 
 
 def resolve_methods(
@@ -201,7 +198,7 @@ def expand_methods(methods: Sequence[str]) -> list[str]:
     """Method names with ``all`` expanded (NonShared and FullShared first), duplicates dropped."""
     if not methods:
         raise BenchError("no methods given (use a comma-separated list or 'all')")
-    public = [n for n in METHODS if not n.startswith("_")]
+    public = METHODS.names()
     every = [n for n in ("nonshared", "fullshared") if n in METHODS] + [
         n for n in public if n not in ("nonshared", "fullshared")
     ]

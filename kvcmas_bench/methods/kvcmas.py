@@ -27,6 +27,7 @@ from .delta import OnlineDeltaCorrection
 @dataclass
 class KVCMAS(OnlineDeltaCorrection):
     name = "kvcmas"
+    label, order, color, chain_label = "KVCMAS", 90, "C2", "Chained"
     summary = "chained low-rank online delta correction (the paper's method)"
     anchors: int = 10
     rank: int | None = 32
@@ -38,5 +39,6 @@ class KVCMAS(OnlineDeltaCorrection):
 @dataclass
 class KVCMASNonChained(KVCMAS):
     name = "kvcmas-nonchained"
+    label, order, color, chain_label = "KVCMAS (non-chained)", 80, "C3", "Non-chained"
     summary = "KVCMAS ablation: low-rank anchors relative to a context-free reference"
     chained: bool = False

@@ -27,6 +27,7 @@ from .delta import OnlineDeltaCorrection
 @dataclass
 class KVComm(OnlineDeltaCorrection):
     name = "kvcomm"
+    label, order, color = "KVComm", 70, "C4"
     summary = "full-dimensional online anchors relative to a context-free reference"
     anchors: int = 20
     tau: float = 0.3

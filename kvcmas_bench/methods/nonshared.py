@@ -11,4 +11,5 @@ from .base import Method, register
 @dataclass
 class NonShared(Method):
     name = "nonshared"
+    label, order, color = "NonShared", 10, "C0"
     summary = "dense prefill of every prompt, no sharing (accuracy reference)"

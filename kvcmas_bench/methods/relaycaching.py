@@ -64,6 +64,7 @@ class RelayCaching(Method):
     """
 
     name = "relaycaching"
+    label, order, color = "RelayCaching", 50, "C8"
     summary = "deviation x attention token selection recomputed in a profiled middle-layer range"
     needs_model_internals = True
     needs_calibration = True

@@ -23,14 +23,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
+from ..registry import LiveMapping  # noqa: E402
 from ..serving.plots import LABELS, plot_ttft  # noqa: E402
 
 X_AXES = {"latency_s": ("E2E latency per sample (s)", "E2E latency"), "ttft_s": ("TTFT, mean per request (s)", "TTFT")}
 Y_AXES = {"accuracy": "accuracy", "answer_agreement": "answer agreement with NonShared"}
 
 
-#: one colour per method, the same in every figure
-COLORS = {m: f"C{i}" for i, m in enumerate(LABELS)}
+def _colors() -> dict[str, str]:
+    from ..methods import method_colors  # lazily: the methods import torch
+
+    return method_colors()
+
+
+#: one colour per method, the same in every figure (the classes' ``color``, else the next free one)
+COLORS = LiveMapping(_colors)
 
 
 @dataclass

@@ -14,9 +14,10 @@ the runs share no sample at all (``own``), each row is over its own samples and 
 
 **Agreement with NonShared**: a run's reference is the NonShared run with the same settings
 sharing the most samples with it. Per sample, the method agrees when its final answer equals
-NonShared's on the same sample (``prediction``; HumanEval: the final output, since its prediction
-is the sandbox verdict); per request (matched by ``sample_id``, ``step``), when its first
-generated token equals NonShared's. NonShared against itself is 1.0 by construction.
+NonShared's on the same sample (the workload's ``answer_field``: ``prediction``; HumanEval: the
+final output, since its prediction is the sandbox verdict); per request (matched by
+``sample_id``, ``step``), when its first generated token equals NonShared's. NonShared against
+itself is 1.0 by construction.
 
 **Uncertainty**: every proportion (accuracy, both agreements, top-1 agreement) carries
 ``<name>_se`` = sqrt(p(1-p)/n) (binomial, divisor n) and ``<name>_ci_low``/``_ci_high``, the 95%
@@ -38,25 +39,30 @@ import re
 
 import pandas as pd
 
+from ..registry import LiveMapping, LiveSequence
 from ..results.frames import REFERENCE, SETTING_KEYS, Results, Run
 from ..results.stats import discordant, mcnemar_exact, proportion
 from ..results.summary import run_figures
 from .columns import Column
 
-#: the sample field compared for answer agreement, per workload (default ``prediction``)
-ANSWER_FIELD = {"humaneval": "final_output"}
-#: row order of the methods in tables (others follow in the order met)
-METHOD_ORDER = (
-    "nonshared",
-    "fullshared",
-    "cacheblend",
-    "droidspeak",
-    "relaycaching",
-    "graphflow",
-    "kvcomm",
-    "kvcmas-nonchained",
-    "kvcmas",
-)
+
+def _answer_fields() -> dict[str, str]:
+    from ..workloads import answer_fields  # lazily: importing the package loads every workload
+
+    return answer_fields()
+
+
+def _method_order() -> tuple[str, ...]:
+    from ..methods import method_order  # lazily: the methods import torch
+
+    return method_order()
+
+
+#: the sample field compared for answer agreement, per workload (its class's ``answer_field``;
+#: unknown workloads: ``prediction``)
+ANSWER_FIELD = LiveMapping(_answer_fields)
+#: row order of the methods in tables (their classes' ``order``); others follow, by label
+METHOD_ORDER = LiveSequence(_method_order)
 #: significance level of the best / second-best marks (exact McNemar, each pair)
 MARK_ALPHA = 0.05
 #: proportions shown with their standard error and 95% interval
@@ -263,7 +269,7 @@ def table1(results: Results, common: bool = True) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    order = {m: i for i, m in enumerate(METHOD_ORDER)}
+    order = {m: i for i, m in enumerate(_method_order())}
     tables = {t: i for i, t in enumerate(dict.fromkeys(df["table"]))}  # as met in the inputs
     df["_t"] = df["table"].map(tables)
     df["_m"] = df["method"].map(lambda m: order.get(m, len(order)))

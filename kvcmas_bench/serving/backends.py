@@ -21,6 +21,7 @@ from .. import memory
 from ..engine import Engine
 from ..errors import BenchError
 from ..methods import Method, MethodSpec
+from ..registry import Registry
 from ..results.request import RequestRecord
 from ..workflow import Node, UnitRun, execute, request_records
 from ..workloads.base import Role
@@ -69,7 +70,8 @@ class Backend(Protocol):
     def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult: ...
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {}
+#: name -> backend factory, filled by :func:`register_backend`
+BACKENDS: Registry[Callable[..., Backend]] = Registry("--engine")
 #: backend name -> ``why_not(method_class) -> str | None``: methods the engine cannot run
 BACKEND_LIMITS: dict[str, Callable[[type[Method]], str | None]] = {}
 
@@ -80,7 +82,7 @@ def register_backend(name: str, why_not: Callable[[type[Method]], str | None] | 
     it can); :func:`check_backend` asks it before any model loads."""
 
     def deco(factory: Callable[..., Backend]) -> Callable[..., Backend]:
-        BACKENDS[name] = factory
+        BACKENDS.register(factory, name=name)
         if why_not is not None:
             BACKEND_LIMITS[name] = why_not
         return factory
@@ -90,8 +92,7 @@ def register_backend(name: str, why_not: Callable[[type[Method]], str | None] | 
 
 def check_backend(name: str, methods: Mapping[str, MethodSpec] | Sequence[type[Method]]) -> None:
     """Refuse an unknown engine, or methods it cannot run, with one line (before a model loads)."""
-    if name not in BACKENDS:
-        raise BenchError(f"unknown --engine {name!r}; available: {', '.join(sorted(BACKENDS))}")
+    BACKENDS.lookup(name)
     why_not = BACKEND_LIMITS.get(name)
     classes = [m.cls for m in methods.values()] if isinstance(methods, Mapping) else list(methods)
     bad = [(c.name, why_not(c)) for c in classes] if why_not is not None else []
@@ -104,9 +105,8 @@ def check_backend(name: str, methods: Mapping[str, MethodSpec] | Sequence[type[M
 
 
 def get_backend(name: str, **options) -> Backend:
-    if name not in BACKENDS:
-        raise BenchError(f"unknown --engine {name!r}; available: {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name](**options)
+    """A backend built by the factory registered as ``name`` (one ``BenchError`` line when unknown)."""
+    return BACKENDS.lookup(name)(**options)
 
 
 def replay_all(service: list[list[RequestRecord]], schedules: Schedules) -> dict[float, list[RequestRecord]]:

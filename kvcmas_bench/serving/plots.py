@@ -13,18 +13,25 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-LABELS = {
-    "nonshared": "NonShared",
-    "fullshared": "FullShared",
-    "kvcmas": "KVCMAS",
-    "kvcmas-nonchained": "KVCMAS (non-chained)",
-    "kvcomm": "KVComm",
-    "graphflow": "GraphFlow",
-    "cacheblend": "CacheBlend",
-    "droidspeak": "DroidSpeak",
-    "relaycaching": "RelayCaching",
-}
-CHAINED_LABELS = {"kvcmas": "Chained", "kvcmas-nonchained": "Non-chained"}
+from ..registry import LiveMapping  # noqa: E402
+
+
+def _labels() -> dict[str, str]:
+    from ..methods import method_labels  # lazily: the methods import torch
+
+    return method_labels()
+
+
+def _chain_labels() -> dict[str, str]:
+    from ..methods import chain_labels
+
+    return chain_labels()
+
+
+#: method name -> display name (the classes' ``label``)
+LABELS = LiveMapping(_labels)
+#: method name -> line name in the chained vs non-chained figure (the classes' ``chain_label``)
+CHAINED_LABELS = LiveMapping(_chain_labels)
 
 
 def sweep_note(summary: dict) -> str:
@@ -149,7 +156,7 @@ def plot_ttft_parts(
     None when the rows carry no split (summaries written before it existed)."""
     if not any(r.get("ttft_p50_service_s") is not None for r in rows):
         return None
-    labels = LABELS
+    labels = dict(LABELS)
     methods = list(dict.fromkeys(r["method"] for r in rows))
     shared = sorted({r["shared_tokens"] for r in rows})
     qps = sorted({r["qps"] for r in rows})
@@ -199,8 +206,8 @@ def plot_ttft_parts(
 
 def plot_all(rows: Sequence[dict], out_dir: Path, accumulated: bool = False, note: str | None = None) -> list[Path]:
     """``ttft_p50.png``, ``ttft_p90.png``, ``ttft_parts.png``; plus ``chained_ttft_p50/p90.png``
-    when both KVCMAS variants were run (each also as ``.svg``). ``note``: a footnote line (model,
-    device, capacity)."""
+    when both KVCMAS variants were run (the methods with a ``chain_label``); each also as ``.svg``.
+    ``note``: a footnote line (model, device, capacity)."""
     out_dir = Path(out_dir)
     if not rows:
         return []
@@ -210,17 +217,18 @@ def plot_all(rows: Sequence[dict], out_dir: Path, accumulated: bool = False, not
     parts = plot_ttft_parts(rows, out_dir / "ttft_parts.png", accumulated, note)
     if parts is not None:
         paths.append(parts)
-    present = {r["method"] for r in rows}
-    if {"kvcmas", "kvcmas-nonchained"} <= present:
-        sub = [r for r in rows if r["method"] in CHAINED_LABELS]
+    chain = dict(CHAINED_LABELS)
+    present = [m for m in chain if m in {r["method"] for r in rows}]
+    if len(present) >= 2:
+        sub = [r for r in rows if r["method"] in chain]
         for st in ("p50", "p90"):
             paths.append(
                 plot_ttft(
                     sub,
                     out_dir / f"chained_ttft_{st}.png",
                     st,
-                    methods=["kvcmas", "kvcmas-nonchained"],
-                    labels=CHAINED_LABELS,
+                    methods=present,
+                    labels=chain,
                     title=f"{st} TTFT, chained vs non-chained KVCMAS",
                     accumulated=accumulated,
                     note=note,

@@ -4,14 +4,17 @@ Adding a workload: one file in this package (a registered :class:`Workload` subc
 in the import line below.
 """
 
-from ..errors import BenchError
 from . import gsm8k, humaneval, mathvista, mmlu, videomme  # noqa: F401
 from .base import WORKLOADS, Role, Sample, Workload
 
-__all__ = ["WORKLOADS", "Role", "Sample", "Workload", "get_workload"]
+__all__ = ["WORKLOADS", "Role", "Sample", "Workload", "answer_fields", "get_workload"]
 
 
 def get_workload(name: str, **kwargs) -> Workload:
-    if name not in WORKLOADS:
-        raise BenchError(f"unknown workload {name!r}; available: {', '.join(sorted(WORKLOADS))}")
-    return WORKLOADS[name](**kwargs)
+    """A workload instance (one ``BenchError`` line for an unknown name)."""
+    return WORKLOADS.lookup(name)(**kwargs)
+
+
+def answer_fields() -> dict[str, str]:
+    """Workload name -> the sample field compared for answer agreement (``answer_field``)."""
+    return {n: WORKLOADS[n].answer_field for n in WORKLOADS.names()}

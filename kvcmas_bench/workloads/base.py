@@ -7,13 +7,11 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..errors import BenchError, find_package
+from ..registry import Registry
 
-WORKLOADS: dict[str, type[Workload]] = {}
-
-
-def register(cls: type[Workload]) -> type[Workload]:
-    WORKLOADS[cls.name] = cls
-    return cls
+#: name -> workload class, filled by ``@register`` as the workload modules are imported
+WORKLOADS: Registry[type[Workload]] = Registry("workload")
+register = WORKLOADS.register
 
 
 @dataclass
@@ -220,6 +218,8 @@ class Workload:
     default_tau: ClassVar[float] = 0.3
     max_new_tokens: ClassVar[int] = 64
     final_max_new_tokens: ClassVar[int] = 32
+    #: the sample field compared for answer agreement with NonShared (Table 1)
+    answer_field: ClassVar[str] = "prediction"
 
     def __init__(self, data_path: str | None = None, subjects: list[str] | None = None):
         if subjects and not self.takes_subjects:

@@ -140,6 +140,7 @@ class HumanEval(Workload):
     max_new_tokens = 128
     final_max_new_tokens = 256
     timeout_s = 3.0
+    answer_field = "final_output"  # its prediction is the sandbox verdict, not the answer
 
     def load(self) -> list[Sample]:
         repo = self.hub_repo("openai/openai_humaneval")
