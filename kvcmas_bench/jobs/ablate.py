@@ -34,9 +34,10 @@ from ..errors import BenchError, OptionError
 from ..methods import METHODS, expand_methods, resolve_method, resolve_methods
 from ..methods.knobs import MethodArg, convert, expected
 from ..ops.gate import DEFAULT_GATE_TEMPERATURE, GATES
-from ..results.frames import read_jsonl
+from ..results.frames import read_json
 from ..results.outdir import atomic_write, lock_output_dir
-from ..results.records import write_json
+from ..results.records import corrupt_input, read_run_files, request_steps, write_json
+from ..results.request import SegmentRecord
 from ..workloads import get_workload
 from .run import RunOptions, select_samples
 from .suite import is_done, resume_manifest, run_cell
@@ -417,15 +418,26 @@ def _throughput(run) -> float | None:
     return float(r["output_tokens"].sum()) / total if total > 0 else None
 
 
+#: the outcomes ``OnlineDeltaCorrection.gate`` records in a segment's ``details["gate"]`` when it
+#: compared anchors by entropy (the others: no or too few anchors, bypassed, scheduled)
+GATE_ACCEPTED, GATE_REJECTED = "accepted", "rejected"
+
+
+def _gated_segments(run_dir: Path) -> list[SegmentRecord]:
+    """The segments of a run's finished samples whose gate compared anchors, read by the run
+    directory readers (:func:`~kvcmas_bench.results.records.read_run_files`)."""
+    config = read_json(run_dir / "config.json") if (run_dir / "config.json").exists() else None
+    _, _, records, _ = read_run_files(
+        run_dir / "samples.jsonl", run_dir / "requests.jsonl", request_steps(config), corrupt_input
+    )
+    return [s for r in records for s in r.segments if s.details.get("gate") in (GATE_ACCEPTED, GATE_REJECTED)]
+
+
 def _accept_share(run_dir: Path) -> float | None:
     """Share of gated tokens (segments whose gate compared anchors) that the gate accepted."""
-    acc = tot = 0
-    for rec in read_jsonl(run_dir / "requests.jsonl", required=False):
-        for s in rec.get("segments", []):
-            d = s.get("details") or {}
-            if d.get("gate") in ("accepted", "rejected"):
-                tot += s.get("tokens", 0)
-                acc += s.get("tokens", 0) if d["gate"] == "accepted" else 0
+    gated = _gated_segments(run_dir)
+    tot = sum(s.tokens for s in gated)
+    acc = sum(s.tokens for s in gated if s.details["gate"] == GATE_ACCEPTED)
     return acc / tot if tot else None
 
 
@@ -475,13 +487,9 @@ DEFINITIONS = [
 
 def recorded_decisions(run_dir: Path) -> list[tuple[list[float], int]]:
     """Every gate decision of a run that compared anchors: its distances and the segment's tokens."""
-    out = []
-    for rec in read_jsonl(run_dir / "requests.jsonl", required=False):
-        for s in rec.get("segments", []):
-            d = s.get("details") or {}
-            if d.get("distances") and d.get("gate") in ("accepted", "rejected"):
-                out.append((list(d["distances"]), int(s.get("tokens", 0))))
-    return out
+    return [
+        (list(s.details["distances"]), int(s.tokens)) for s in _gated_segments(run_dir) if s.details.get("distances")
+    ]
 
 
 def _replay(out: Path, g: pd.DataFrame, workload: str) -> list:
@@ -495,8 +503,7 @@ def _replay(out: Path, g: pd.DataFrame, workload: str) -> list:
     if not decisions:
         return []
     temps = {
-        json.loads((out / workload / p / "config.json").read_text())["method_config"].get("gate_temperature")
-        for p in gated["point"]
+        read_json(out / workload / p / "config.json")["method_config"].get("gate_temperature") for p in gated["point"]
     }
     temp = next(iter(temps)) if len(temps) == 1 and None not in temps else DEFAULT_GATE_TEMPERATURE
     df = replay_frame(decisions, [i / 40 for i in range(41)], temp)

@@ -237,7 +237,7 @@ def _run(opts: RunOptions, progress=None) -> dict:
     if progress is not None:
         progress.start(total=len(p.samples), done=len(p.samples) - len(todo))
     for sample in todo:
-        sample_rec, req_recs = run_one(flow, sample, p.engine, p.method)
+        sample_rec, req_recs = run_one(flow, sample, p.engine)
         n = len(out.samples) + 1
         store.save(n, p.method, UIDS.next)
         out.append(sample_rec, req_recs)  # the commit point
@@ -260,7 +260,7 @@ def _run(opts: RunOptions, progress=None) -> dict:
     return summary
 
 
-def run_one(flow: Workflow, sample, engine: Engine, method) -> tuple[dict, list[RequestRecord]]:
+def run_one(flow: Workflow, sample, engine: Engine) -> tuple[dict, list[RequestRecord]]:
     """Run one sample through the workflow; return its sample record and request records."""
     sr = flow.run_sample(sample)
     pred, correct = flow.workload.score(sample, sr.final_text)

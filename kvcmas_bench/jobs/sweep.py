@@ -416,8 +416,65 @@ def serve_sweep(
     """
     from rich.console import Console
 
-    from ..workloads import get_workload
+    names, qps_list = _check_inputs(
+        methods,
+        qps,
+        shared_tokens,
+        num_trajectories,
+        burstiness,
+        output_tokens,
+        calib_trajectories,
+        traces_path,
+        warmup_trajectories,
+    )
+    engine_name = backend if isinstance(backend, str) else ("in-process" if backend is None else backend.name)
+    matched = parse_matched_rho(matched_rho)
+    specs = _method_specs(methods, names, engine_name, backend, matched, method_args)
+    needs_calib = _needs_calibration(specs, calib_trajectories, traces_path)
+    console = console if console is not None else Console()
+    say = progress or (lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    out_dir = Path(output_path)
+    loaded = load_traces(traces_path) if traces_path else None
+    with lock_output_dir(out_dir):  # a busy or unwritable output path fails before the model loads
+        backend = _open_backend(backend, engine_name, model, device, dtype, ignore_eos, warmup, engine_options)
+        sweep = SweepSpec(specs, qps_list, num_trajectories, burstiness, seed, accumulated, traces_path)
+        _set_traces(
+            sweep,
+            backend,
+            loaded,
+            needs_calib,
+            shared_tokens,
+            output_tokens,
+            context_tokens,
+            calib_trajectories,
+            texts,
+            warmup_trajectories,
+        )
+        schedule_groups(sweep, matched, say)
+        traces_text = dump_traces(sweep.traces)
+        config = sweep_config(sweep, backend, traces_text, method_args or {}, dtype, ignore_eos, warmup)
+        config["engine_options"] = dict(engine_options or {})
+        config.update(matched_config(sweep, matched))
+        saved = open_dir(out_dir, config, num_trajectories)  # checks the directory before anything is written
+        atomic_write(out_dir / "traces.jsonl", traces_text)
+        _write_config(out_dir, config, backend)
+        timelines = serve_all(sweep, backend, saved, config, out_dir / "service.jsonl", say)
+        _write_config(out_dir, config, backend)
+        return finish(out_dir, config, timelines, plots, console if show_table else None)
 
+
+def _check_inputs(
+    methods: Sequence[str],
+    qps: Sequence[float],
+    shared_tokens: Sequence[int],
+    num_trajectories: int,
+    burstiness: float,
+    output_tokens: int,
+    calib_trajectories: int,
+    traces_path: str | None,
+    warmup_trajectories: int,
+) -> tuple[list[str], list[float]]:
+    """:func:`validate` and the options only a served sweep has: method names and sorted QPS values."""
     names, qps_list = validate(
         methods,
         qps,
@@ -430,68 +487,115 @@ def serve_sweep(
     )
     if warmup_trajectories < 0:
         raise BenchError(f"--warmup-trajectories must be >= 0, got {warmup_trajectories}")
-    engine_name = backend if isinstance(backend, str) else ("in-process" if backend is None else backend.name)
+    return names, qps_list
+
+
+def _method_specs(
+    methods: Sequence[str],
+    names: list[str],
+    engine_name: str,
+    backend: Backend | str | None,
+    matched: MatchedRho | None,
+    method_args: dict | None,
+) -> dict[str, MethodSpec]:
+    """The methods to serve (``--method all`` on a limited engine: the ones it can run), resolved
+    with a matched rho's ``rho`` and checked against the engine, before any model loads."""
+    from ..workloads import get_workload
+
     names = engine_methods(engine_name, methods, names, backend)
-    matched = parse_matched_rho(matched_rho)
     # config.json keeps the user's method_args; the rho a matched rho gives is its own key (matched_rho)
     specs = resolve_methods(names, _matched_method_args(matched, names, method_args), get_workload(TEXT_WORKLOAD))
+    _check_support(engine_name, backend, specs)
+    return specs
+
+
+def _check_support(engine_name: str, backend: Backend | str | None, specs: dict[str, MethodSpec]) -> None:
+    """Refuse methods the engine cannot run: a registered engine by name (an unknown one too, see
+    :func:`~kvcmas_bench.serving.backends.check_backend`), a backend instance by its
+    ``why_unsupported``."""
     if isinstance(backend, str) or backend is None:
-        check_backend(engine_name, specs)  # unknown engine, or methods it cannot run: before any model loads
-    elif getattr(backend, "why_unsupported", None) is not None:
-        bad = [n for n, sp in specs.items() if backend.why_unsupported(sp.cls)]
-        if bad:
-            raise BenchError(
-                f"--engine {engine_name} cannot run {', '.join(bad)}: {backend.why_unsupported(specs[bad[0]].cls)}"
-            )
-    needs_calib = [n for n, s in specs.items() if s.cls.needs_calibration]
-    if needs_calib and calib_trajectories < 1 and traces_path is None:
-        raise BenchError(f"{', '.join(needs_calib)} need calibration trajectories (calib_trajectories >= 1)")
-    console = console if console is not None else Console()
-    say = progress or (lambda msg: console.print(f"[dim]{msg}[/dim]"))
-    out_dir = Path(output_path)
-    loaded = load_traces(traces_path) if traces_path else None
-    with lock_output_dir(out_dir):  # a busy or unwritable output path fails before the model loads
-        if backend is None or isinstance(backend, str):
-            backend = get_backend(
-                engine_name,
-                model=model,
-                device=device,
-                dtype=dtype,
-                ignore_eos=ignore_eos,
-                warmup=warmup,
-                **(engine_options or {}),
-            )
-        sweep = SweepSpec(specs, qps_list, num_trajectories, burstiness, seed, accumulated, traces_path)
-        sweep.groups = (
-            _groups_from_file(loaded, traces_path, shared_tokens, num_trajectories, accumulated, needs_calib)
-            if loaded is not None
-            else _built_groups(
-                backend.tokenizer,
-                shared_tokens,
-                num_trajectories,
-                output_tokens,
-                seed,
-                accumulated,
-                context_tokens,
-                calib_trajectories,
-                texts,
-                warmup_trajectories,
-            )
+        check_backend(engine_name, specs)
+        return
+    why_not = getattr(backend, "why_unsupported", None)
+    if why_not is None:
+        return
+    bad = [n for n, sp in specs.items() if why_not(sp.cls)]
+    if bad:
+        raise BenchError(f"--engine {engine_name} cannot run {', '.join(bad)}: {why_not(specs[bad[0]].cls)}")
+
+
+def _needs_calibration(specs: dict[str, MethodSpec], calib_trajectories: int, traces_path: str | None) -> list[str]:
+    """The methods that calibrate; built traces must then include calibration trajectories."""
+    needs = [n for n, s in specs.items() if s.cls.needs_calibration]
+    if needs and calib_trajectories < 1 and traces_path is None:
+        raise BenchError(f"{', '.join(needs)} need calibration trajectories (calib_trajectories >= 1)")
+    return needs
+
+
+def _open_backend(
+    backend: Backend | str | None,
+    engine_name: str,
+    model,
+    device: str,
+    dtype: str,
+    ignore_eos: bool,
+    warmup: bool,
+    engine_options: dict | None,
+) -> Backend:
+    """The given backend instance, or the registered engine ``engine_name`` started (the model loads)."""
+    if backend is not None and not isinstance(backend, str):
+        return backend
+    return get_backend(
+        engine_name,
+        model=model,
+        device=device,
+        dtype=dtype,
+        ignore_eos=ignore_eos,
+        warmup=warmup,
+        **(engine_options or {}),
+    )
+
+
+def _set_traces(
+    sweep: SweepSpec,
+    backend: Backend,
+    loaded: list[Trace] | None,
+    needs_calib: list[str],
+    shared_tokens: Sequence[int],
+    output_tokens: int,
+    context_tokens: int,
+    calib_trajectories: int,
+    texts,
+    warmup_trajectories: int,
+) -> None:
+    """``sweep.groups``: the loaded traces (``--traces``) or ones built with the backend's
+    tokenizer, per shared length, checked against the model's context and vocabulary."""
+    if loaded is not None:
+        sweep.groups = _groups_from_file(
+            loaded, sweep.traces_path, shared_tokens, sweep.num_trajectories, sweep.accumulated, needs_calib
         )
-        check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
-        schedule_groups(sweep, matched, say)
-        traces_text = dump_traces(sweep.traces)
-        config = sweep_config(sweep, backend, traces_text, method_args or {}, dtype, ignore_eos, warmup)
-        config["engine_options"] = dict(engine_options or {})
-        config.update(matched_config(sweep, matched))
-        saved = open_dir(out_dir, config, num_trajectories)  # checks the directory before anything is written
-        atomic_write(out_dir / "traces.jsonl", traces_text)
-        config["backend_config"] = backend.describe()
-        write_json(out_dir / "config.json", config)
-        timelines = serve_all(sweep, backend, saved, config, out_dir / "service.jsonl", say)
-        config["backend_config"] = backend.describe()
-        write_json(out_dir / "config.json", config)
-        return finish(out_dir, config, timelines, plots, console if show_table else None)
+    else:
+        sweep.groups = _built_groups(
+            backend.tokenizer,
+            shared_tokens,
+            sweep.num_trajectories,
+            output_tokens,
+            sweep.seed,
+            sweep.accumulated,
+            context_tokens,
+            calib_trajectories,
+            texts,
+            warmup_trajectories,
+        )
+    check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
+
+
+def _write_config(out_dir: Path, config: dict, backend: Backend) -> None:
+    """``config.json`` with the backend's current description. Written before serving, so that a
+    killed sweep resumes its saved measurements (:func:`open_dir` needs it), and again after, with
+    the method configurations and the backend state (peak resets) serving added."""
+    config["backend_config"] = backend.describe()
+    write_json(out_dir / "config.json", config)
 
 
 def _matched_method_args(matched: MatchedRho | None, names: list[str], method_args: dict | None) -> dict | None:

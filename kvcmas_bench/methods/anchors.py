@@ -209,12 +209,24 @@ class AnchorPool:
         n_a, n_e = len(self.anchors), len(entries)
         delta = sum(e.delta_nbytes for e in entries)
         total = self.nbytes
-        return {
-            "anchors": n_a,
-            "entries": n_e,
-            "bytes": total,
-            "delta_bytes": delta,
-            "base_bytes": total - delta,
-            "bytes_per_anchor": total / n_a if n_a else 0.0,
-            "bytes_per_entry": total / n_e if n_e else 0.0,
-        }
+        return _with_averages(
+            {"anchors": n_a, "entries": n_e, "bytes": total, "delta_bytes": delta, "base_bytes": total - delta}
+        )
+
+
+#: the figures of :meth:`AnchorPool.layout` that add up over pools
+LAYOUT_SUMS = ("anchors", "entries", "bytes", "base_bytes", "delta_bytes")
+
+
+def _with_averages(layout: dict) -> dict:
+    """``layout`` (with at least ``anchors``, ``entries`` and ``bytes``) plus ``bytes_per_anchor``
+    and ``bytes_per_entry`` (0 when there is none): one pool's or a total over pools."""
+    n_a, n_e = layout["anchors"], layout["entries"]
+    layout["bytes_per_anchor"] = layout["bytes"] / n_a if n_a else 0.0
+    layout["bytes_per_entry"] = layout["bytes"] / n_e if n_e else 0.0
+    return layout
+
+
+def total_layout(layouts: Sequence[dict]) -> dict:
+    """The layout of several pools together: :data:`LAYOUT_SUMS` summed, averages over all of them."""
+    return _with_averages({k: sum(p[k] for p in layouts) for k in LAYOUT_SUMS})

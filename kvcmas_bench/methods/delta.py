@@ -33,7 +33,7 @@ from ..ops.lowrank import (
     sparse_apply,
     token_weights,
 )
-from .anchors import Anchor, AnchorPool, instance_key, stack_b
+from .anchors import Anchor, AnchorPool, instance_key, stack_b, total_layout
 from .base import Method, check, state
 
 
@@ -362,11 +362,7 @@ class OnlineDeltaCorrection(Method):
     def state_layout(self) -> dict:
         """Anchors, entries and bytes per slot pool (per anchor and per entry), and their totals."""
         slots = {slot: pool.layout() for slot, pool in self.pools.items()}
-        total = {
-            k: sum(p[k] for p in slots.values()) for k in ("anchors", "entries", "bytes", "base_bytes", "delta_bytes")
-        }
-        total["bytes_per_anchor"] = total["bytes"] / total["anchors"] if total["anchors"] else 0.0
-        total["bytes_per_entry"] = total["bytes"] / total["entries"] if total["entries"] else 0.0
+        total = total_layout(list(slots.values()))
         total["reference_bytes"] = sum(r.nbytes for r in self.references.values())
         return {"total": total, "slots": slots}
 

@@ -1,7 +1,13 @@
-"""Uncertainty of the report's proportions and the paired test of two runs on the same samples.
+"""Percentiles, the uncertainty of the report's proportions and the paired test of two runs on the
+same samples: the one definition of each, pure functions (no pandas).
 
-Pure functions of counts (no pandas):
-
+- :func:`percentile`: linear interpolation between the closest ranks (numpy's and pandas'
+  default): the p90 of a run's ``summary.json``, the pXX of the serve-sweep rows and the
+  accounting distributions; :func:`percentile_rank`: its ranks and weight, for figures that follow
+  the same interpolation (the serve-sweep's TTFT parts).
+- :func:`median`: numpy's (and pandas') median, the mean of the two middle values: the ``_p50``
+  figures of a run's ``summary.json``. ``percentile(values, 50)`` (the serve-sweep's p50) can
+  differ from it in the last bit, as numpy's interpolation rounds differently.
 - :func:`binomial_se`: the standard error of a proportion ``k/n`` as sqrt(p (1 - p) / n) (divisor
   ``n``, the maximum-likelihood form; 0 at p = 0 or 1).
 - :func:`wilson_interval`: the Wilson score interval (95% by default), which stays inside [0, 1]
@@ -14,9 +20,34 @@ Pure functions of counts (no pandas):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+import numpy as np
 
 #: the standard normal's 97.5% quantile (two-sided 95%)
 Z95 = 1.959963984540054
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """``numpy.percentile`` (linear interpolation) of ``values``; None when empty."""
+    if len(values) == 0:
+        return None
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def median(values: Sequence[float]) -> float | None:
+    """``numpy.median`` of ``values`` (what pandas' ``Series.median`` returns); None when empty."""
+    if len(values) == 0:
+        return None
+    return float(np.median(np.asarray(values, dtype=float)))
+
+
+def percentile_rank(n: int, q: float) -> tuple[int, int, float]:
+    """Where the ``q``-th percentile of ``n`` sorted values lies under linear interpolation: the
+    ranks ``lo`` and ``hi`` around it and the weight ``w`` of ``hi`` (value ``x_lo + w (x_hi - x_lo)``)."""
+    h = (n - 1) * q / 100.0
+    lo = math.floor(h)
+    return lo, min(lo + 1, n - 1), h - lo
 
 
 def binomial_se(k: int, n: int) -> float | None:

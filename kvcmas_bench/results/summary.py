@@ -19,7 +19,7 @@ import pandas as pd
 
 from .frames import request_row
 from .request import RequestRecord
-from .stats import proportion
+from .stats import median, percentile, proportion
 
 DEFINITIONS = {
     "accuracy": "share of samples whose final answer the workload scores correct; accuracy_se = "
@@ -97,14 +97,14 @@ def run_figures(samples: pd.DataFrame, requests: pd.DataFrame) -> dict:
     if "latency_s" in samples:
         lat = samples["latency_s"].dropna().astype(float)
         out["latency_s"] = float(lat.mean()) if len(lat) else None
-        out["latency_s_p50"] = float(lat.median()) if len(lat) else None
+        out["latency_s_p50"] = median(lat)
     if requests.empty:
         return out
     r = requests
     out.update(
         ttft_s=float(r["ttft_s"].mean()),
-        ttft_s_p50=float(r["ttft_s"].median()),
-        ttft_s_p90=float(r["ttft_s"].quantile(0.9)),
+        ttft_s_p50=median(r["ttft_s"].dropna()),
+        ttft_s_p90=percentile(r["ttft_s"].dropna(), 90),
         e2e_s=float(r["e2e_s"].mean()),
         peak_mem_bytes=_max(r["peak_mem_bytes"]),
         peak_rss_bytes=_max(r["peak_rss_bytes"]),
@@ -242,9 +242,9 @@ def _distribution(values: list[float]) -> dict:
         "n": len(values),
         "mean": float(a.mean()),
         "min": float(a.min()),
-        "p10": float(np.percentile(a, 10)),
-        "p50": float(np.percentile(a, 50)),
-        "p90": float(np.percentile(a, 90)),
+        "p10": percentile(a, 10),
+        "p50": percentile(a, 50),
+        "p90": percentile(a, 90),
         "max": float(a.max()),
     }
 

@@ -6,7 +6,8 @@ Every backend returns :class:`~kvcmas_bench.results.RequestRecord` rows with the
 ``summary.json`` and of the console table, in the manner of ``vllm bench serve``'s metrics.
 :func:`ttft_breakdown` is the one definition of where a request's TTFT goes (own service vs
 queueing, and the queueing spent behind dense fallbacks): the sweep rows, the console tables and the
-plots all read its columns.
+plots all read its columns. Percentiles are the project's one definition,
+:func:`kvcmas_bench.results.stats.percentile`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..results.request import RequestRecord
+from ..results.stats import percentile, percentile_rank
 from ..results.summary import records_frame, reuse_ratio
 from .queueing import wait_behind
 
@@ -76,13 +78,6 @@ TTFT_PARTS = (
     "service_other",
 )
 TTFT_PART_STATS = ("p50", "p90", "mean")
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """``numpy.percentile`` (linear interpolation) of ``values``; None when empty."""
-    if len(values) == 0:
-        return None
-    return float(np.percentile(np.asarray(values, dtype=float), q))
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -212,13 +207,11 @@ def request_parts(served: Sequence[RequestRecord]) -> list[dict]:
 
 
 def _at_rank(parts: list[dict], q: float) -> dict:
-    """The parts at the ``q`` percentile of TTFT: numpy's linear interpolation between the two
-    requests around that rank, applied to every part (so they add up to the percentile)."""
+    """The parts at the ``q`` percentile of TTFT: the linear interpolation of
+    :func:`~kvcmas_bench.results.stats.percentile_rank` between the two requests around that rank,
+    applied to every part (so they add up to the percentile)."""
     order = sorted(range(len(parts)), key=lambda i: parts[i]["ttft"])
-    h = (len(order) - 1) * q / 100.0
-    lo = int(np.floor(h))
-    hi = min(lo + 1, len(order) - 1)
-    f = h - lo
+    lo, hi, f = percentile_rank(len(order), q)
     a, b = parts[order[lo]], parts[order[hi]]
     return {k: None if a[k] is None or b[k] is None else a[k] + f * (b[k] - a[k]) for k in TTFT_PARTS}
 

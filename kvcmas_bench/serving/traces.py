@@ -318,27 +318,10 @@ def build_traces(
     """
     if num_trajectories < 1:
         raise BenchError(f"number of trajectories must be >= 1, got {num_trajectories}")
-    n_up = len(roles) - 1
-    if accumulated:
-        per_agent = shared_tokens // n_up if n_up else shared_tokens
-        if per_agent < 1:
-            raise BenchError(f"accumulated output of {shared_tokens} tokens is < 1 token per agent")
-        ctx_len = context_tokens
-    else:
-        per_agent, ctx_len = output_tokens, shared_tokens
-    if ctx_len < 1:
-        raise BenchError(f"shared context must be >= 1 token, got {ctx_len}")
-    if per_agent < 1:
-        raise BenchError(f"output tokens must be >= 1, got {per_agent}")
-    if texts is None:
-        texts = mmlu_texts()
-    elif callable(texts):
-        texts = texts()
-    pool = _ContextPool(tokenizer, texts, seed)
-    specs = []
-    names = [r.name for r in roles]
-    for i, role in enumerate(roles):
-        specs.append(AgentSpec(role.name, agent_segments(tokenizer, role, names[:i], chat_template), per_agent))
+    per_agent, ctx_len = _trace_lengths(shared_tokens, output_tokens, accumulated, context_tokens, len(roles) - 1)
+    pool = _ContextPool(tokenizer, _context_texts(texts), seed)
+    specs = _agent_specs(tokenizer, roles, per_agent, chat_template)
+    tokenizer_name = getattr(tokenizer, "name_or_path", type(tokenizer).__name__)
     out: list[Trace] = []
     kind = "accumulated" if accumulated else "controlled"
     splits = (("eval", num_trajectories), ("calibration", calib_trajectories), ("warmup", warmup_trajectories))
@@ -355,15 +338,45 @@ def build_traces(
                     context_ids=ids,
                     agents=[AgentSpec(s.name, [dict(seg) for seg in s.segments], s.max_new_tokens) for s in specs],
                     split=split,
-                    meta={
-                        "seed": seed,
-                        "text_source": text_source,
-                        "text_indices": used,
-                        "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
-                    },
+                    meta={"seed": seed, "text_source": text_source, "text_indices": used, "tokenizer": tokenizer_name},
                 )
             )
     return out
+
+
+def _trace_lengths(
+    shared_tokens: int, output_tokens: int, accumulated: bool, context_tokens: int, n_up: int
+) -> tuple[int, int]:
+    """(tokens each agent generates, non-generated context tokens) of a controlled or accumulated
+    trace whose agents read ``n_up`` upstream outputs at most; both at least 1."""
+    if accumulated:
+        per_agent = shared_tokens // n_up if n_up else shared_tokens
+        if per_agent < 1:
+            raise BenchError(f"accumulated output of {shared_tokens} tokens is < 1 token per agent")
+        ctx_len = context_tokens
+    else:
+        per_agent, ctx_len = output_tokens, shared_tokens
+    if ctx_len < 1:
+        raise BenchError(f"shared context must be >= 1 token, got {ctx_len}")
+    if per_agent < 1:
+        raise BenchError(f"output tokens must be >= 1, got {per_agent}")
+    return per_agent, ctx_len
+
+
+def _context_texts(texts: Sequence[str] | Callable[[], Sequence[str]] | None) -> Sequence[str]:
+    """The texts of the shared context: given, produced by a callable, or the MMLU questions."""
+    if texts is None:
+        return mmlu_texts()
+    return texts() if callable(texts) else texts
+
+
+def _agent_specs(tokenizer, roles: Sequence[Role], per_agent: int, chat_template: bool | None) -> list[AgentSpec]:
+    """One agent per role, in order, each reading the outputs of the agents before it."""
+    names = [r.name for r in roles]
+    return [
+        AgentSpec(role.name, agent_segments(tokenizer, role, names[:i], chat_template), per_agent)
+        for i, role in enumerate(roles)
+    ]
 
 
 # ---- matched reuse ratio -------------------------------------------------------------------------

@@ -347,46 +347,67 @@ def run_check(
 
     if not sys.executable:
         raise BenchError("cannot locate the Python interpreter to run the HumanEval sandbox")
+    limits = (repr(float(timeout)), str(int(memory_bytes)))
     with tempfile.TemporaryDirectory(prefix="kvcmas-sandbox-", ignore_cleanup_errors=True) as tmp:
-        calls_r, calls_w = os.pipe()  # judge -> candidate: calls
-        answers_r, answers_w = os.pipe()  # candidate -> judge: answers
-        verdict_r, verdict_w = os.pipe()  # judge -> harness: the verdict
-        procs: list[subprocess.Popen] = []
-        try:
-            limits = (repr(float(timeout)), str(int(memory_bytes)))
-            procs.append(
-                _spawn("candidate", (calls_r, answers_w), limits, tmp, {"code": code, "entry_point": entry_point})
-            )
-            procs.append(
-                _spawn(
-                    "judge",
-                    (answers_r, calls_w, verdict_w),
-                    limits,
-                    tmp,
-                    {"prompt": prompt, "test": test, "entry_point": entry_point},
-                )
-            )
-            candidate, judge = procs
-            for fd in (calls_r, calls_w, answers_r, answers_w, verdict_w):
+        candidate, judge, timed_out, verdict = _run_children(
+            tmp,
+            limits,
+            timeout,
+            {"code": code, "entry_point": entry_point},
+            {"prompt": prompt, "test": test, "entry_point": entry_point},
+        )
+    return _outcome(verdict, timed_out, candidate, judge)
+
+
+def _run_children(
+    tmp: str, limits: tuple[str, str], timeout: float, candidate_spec: dict, judge_spec: dict
+) -> tuple[subprocess.Popen, subprocess.Popen, bool, str]:
+    """Start the candidate and the judge in ``tmp``, joined by pipes, wait for the judge until the
+    deadline, then kill both process groups. Returns (candidate, judge, whether the judge ran past
+    the deadline, its verdict); a failed start raises ``BenchError``."""
+    from ..errors import BenchError
+
+    calls_r, calls_w = os.pipe()  # judge -> candidate: calls
+    answers_r, answers_w = os.pipe()  # candidate -> judge: answers
+    verdict_r, verdict_w = os.pipe()  # judge -> harness: the verdict
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(_spawn("candidate", (calls_r, answers_w), limits, tmp, candidate_spec))
+        procs.append(_spawn("judge", (answers_r, calls_w, verdict_w), limits, tmp, judge_spec))
+        candidate, judge = procs
+        for fd in (calls_r, calls_w, answers_r, answers_w, verdict_w):
+            os.close(fd)
+        calls_r = calls_w = answers_r = answers_w = verdict_w = -1
+        timed_out = not _wait(judge, time.monotonic() + timeout + STARTUP_S)
+    except OSError as exc:
+        raise BenchError(f"cannot start the HumanEval sandbox: {exc.strerror or exc}") from None
+    finally:
+        for p in procs:
+            _kill_group(p.pid)
+            p.wait()
+        for fd in (calls_r, calls_w, answers_r, answers_w, verdict_w):
+            if fd >= 0:
                 os.close(fd)
-            calls_r = calls_w = answers_r = answers_w = verdict_w = -1
-            timed_out = not _wait(judge, time.monotonic() + timeout + STARTUP_S)
-        except OSError as exc:
-            raise BenchError(f"cannot start the HumanEval sandbox: {exc.strerror or exc}") from None
-        finally:
-            for p in procs:
-                _kill_group(p.pid)
-                p.wait()
-            for fd in (calls_r, calls_w, answers_r, answers_w, verdict_w):
-                if fd >= 0:
-                    os.close(fd)
-            try:
-                os.set_blocking(verdict_r, False)
-                verdict = os.read(verdict_r, _RESULT_MAX).decode("utf-8", "replace").strip()
-            except (BlockingIOError, OSError):
-                verdict = ""
-            finally:
-                os.close(verdict_r)
+        verdict = _read_verdict(verdict_r)
+    return candidate, judge, timed_out, verdict
+
+
+def _read_verdict(fd: int) -> str:
+    """What the judge wrote to the verdict pipe ("" when nothing), closing the pipe."""
+    try:
+        os.set_blocking(fd, False)
+        return os.read(fd, _RESULT_MAX).decode("utf-8", "replace").strip()
+    except (BlockingIOError, OSError):
+        return ""
+    finally:
+        os.close(fd)
+
+
+def _outcome(verdict: str, timed_out: bool, candidate: subprocess.Popen, judge: subprocess.Popen) -> tuple[bool, str]:
+    """(passed, result) of :func:`run_check` from the judge's verdict and how the children ended;
+    a verdict that the sandbox could not be set up raises ``BenchError``."""
+    from ..errors import BenchError
+
     if verdict.startswith(_SETUP_ERROR):
         raise BenchError(f"HumanEval check cannot run: {verdict[len(_SETUP_ERROR) :][:SUMMARY_MAX]}")
     if timed_out:
