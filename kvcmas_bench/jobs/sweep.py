@@ -26,6 +26,7 @@ measurements without a model.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -435,8 +436,13 @@ def serve_sweep(
     say = progress or (lambda msg: console.print(f"[dim]{msg}[/dim]"))
     out_dir = Path(output_path)
     loaded = load_traces(traces_path) if traces_path else None
-    with lock_output_dir(out_dir):  # a busy or unwritable output path fails before the model loads
+    # a busy or unwritable output path fails before the model loads; a server this sweep starts
+    # (--engine vllm) stops with it
+    with lock_output_dir(out_dir), contextlib.ExitStack() as opened:
+        started = backend is None or isinstance(backend, str)
         backend = _open_backend(backend, engine_name, model, device, dtype, ignore_eos, warmup, engine_options)
+        if started and callable(getattr(backend, "close", None)):
+            opened.callback(backend.close)
         sweep = SweepSpec(specs, qps_list, num_trajectories, burstiness, seed, accumulated, traces_path)
         _set_traces(
             sweep,

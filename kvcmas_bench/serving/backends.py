@@ -140,11 +140,6 @@ class TraceFlow:
         return UnitRun(trace.id, steps)
 
 
-def reset_peaks(engine: Engine) -> bool:
-    """Restart peak-memory tracking for the engine's device (:func:`kvcmas_bench.memory.reset_peaks`)."""
-    return memory.reset_peaks(engine.device)
-
-
 class InProcessBackend:
     """Measure each request for real on the in-process engine (one request at a time), then replay
     the measured service times under every arrival schedule."""
@@ -226,7 +221,7 @@ class InProcessBackend:
                     self.run_trajectory(tr, m)
             else:
                 self.engine.run(held[0].request(0, {}), m, keep_output_kv=False)
-        self.rss_reset = reset_peaks(self.engine)
+        self.rss_reset = memory.reset_peaks(self.engine.device)
         return m
 
     def measure(self, trace: Trace, method) -> list[RequestRecord]:

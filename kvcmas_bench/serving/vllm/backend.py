@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ...errors import BenchError
+from ...memory import reset_peaks
 from ...methods import Method, MethodSpec
 from ...modeling import DEFAULT_MODEL, check_supported, default_model_dir, resolve_dtype
 from ...results.request import RequestRecord
@@ -351,7 +352,7 @@ class VLLMBackend:
         if self.warmup and held:
             for tr in held if m.learns_online else held[:1]:
                 self.run_trajectory(tr, m)
-        self.rss_reset = _reset_rss()
+        self.rss_reset = reset_peaks()
         return m
 
     def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult:
@@ -372,9 +373,3 @@ class _Flow:
 
     def run_unit(self, trace: Trace):
         return self.backend.run_trajectory(trace, self.method)
-
-
-def _reset_rss() -> bool:
-    from ...memory import reset_peaks
-
-    return reset_peaks()
