@@ -333,3 +333,27 @@ def test_serve_sweep_on_the_vllm_server_writes_records_and_names_the_engine(srv,
     kvcomm = [r for r in reqs if r["method"] == "kvcomm"]
     assert any(r["reference_tokens"] > 0 for r in kvcomm)  # context-free references captured on the worker
     assert any(s["status"] == "reused" for r in reqs if r["method"] == "fullshared" for s in r["segments"])
+
+
+@needs_vllm
+def test_matched_rho_schedules_reach_the_server(srv, tiny_dir, tmp_path):
+    """--matched-rho on --engine vllm: the schedule travels in the request metadata, so scheduled
+    transitions fall back densely on the worker and the realized rho is reported beside its target."""
+    out = tmp_path / "matched"
+    args = ["serve-sweep", "--engine", "vllm", "--model", tiny_dir, "--dtype", "float32"]
+    args += ["--method", "nonshared,fullshared,kvcmas", "--qps", "0", "--shared-tokens", "64"]
+    args += ["--trajectories", "5", "--output-tokens", "3", "--calib-trajectories", "1", "-o", str(out)]
+    args += ["--matched-rho", "0.6", "--engine-arg", f"base_url={srv.base_url}"]
+    assert run_cli(args) == 0
+    reqs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    scheduled = [
+        s
+        for r in reqs
+        if r["method"] == "kvcmas"
+        for s in r["segments"]
+        if s.get("details", {}).get("gate") == "scheduled_dense"
+    ]
+    assert scheduled and all(s["status"] == "exact" for s in scheduled)
+    rows = {r["method"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
+    assert rows["fullshared"]["rho_target"] == 0.6
+    assert 0.3 <= rows["fullshared"]["reuse_ratio"] <= 0.9  # FullShared reuses every transition not scheduled dense

@@ -122,6 +122,64 @@ def _rotary_inv_freq(config) -> torch.Tensor:
     return rot.inv_freq.float().cpu()
 
 
+def load_config_and_tokenizer(path: str, spec):
+    """The model's transformers config (checked supported) and tokenizer, or one clear error."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from None
+    check_supported(config)
+    return config, AutoTokenizer.from_pretrained(path)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def eos_ids(config) -> set[int]:
+    eos = config.eos_token_id
+    return set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+
+
+def model_facts(config, torch_dtype, device: str, n_kv: int | None = None, keep_ready: bool = False) -> ModelFacts:
+    """What the methods read from the model when they plan requests for vLLM."""
+    return ModelFacts(
+        _rotary_inv_freq(config),
+        config.num_hidden_layers,
+        n_kv or config.num_key_value_heads,
+        head_dim_of(config),
+        torch_dtype,
+        device,
+        keep_ready=keep_ready,
+    )
+
+
+def _engine_kwargs(path: str, config, dtype: str, opts: VLLMOptions, cpu: bool) -> dict:
+    """``EngineArgs`` of the in-process engine (CPU: block size a multiple of 32, head_dim >= 32)."""
+    block = opts.block_size or (32 if cpu else None)
+    if cpu and (block % 32 or head_dim_of(config) < 32):
+        raise BenchError(f"vLLM's CPU backend needs a block size multiple of 32 (got {block}) and head_dim >= 32")
+    max_len = opts.max_model_len or min(int(getattr(config, "max_position_embeddings", 4096) or 4096), 4096)
+    kwargs = dict(
+        model=path,
+        tokenizer=path,
+        dtype=dtype,
+        seed=0,
+        enforce_eager=True,
+        max_model_len=max_len,
+        block_size=block,
+        enable_prefix_caching=opts.prefix_caching,
+        max_num_seqs=opts.max_num_seqs,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        disable_log_stats=False,
+    )
+    if not cpu:
+        kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+    return kwargs
+
+
 class VLLMEngine:
     """:class:`~.client.StepEngine` over vLLM's in-process ``LLMEngine`` (plans go to the connector)."""
 
@@ -206,58 +264,22 @@ class VLLMBackend:
         torch_dtype = resolve_dtype(dtype)
         path, self.model_name = _resolve_model(model)
         self.model_source = path
-        from transformers import AutoConfig, AutoTokenizer
-
-        try:
-            config = AutoConfig.from_pretrained(path)
-        except (OSError, ValueError) as exc:
-            raise BenchError(f"cannot load model {model!r}: {str(exc).splitlines()[0]}") from None
-        check_supported(config)
-        self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.config, self.tokenizer = load_config_and_tokenizer(path, model)
         import vllm
         from vllm.platforms import current_platform
 
         self.platform = current_platform.device_type or "unknown"
         if device != "auto" and not str(device).startswith(self.platform):
             raise BenchError(f"this vLLM build runs on {self.platform}; --device {device} is not available to it")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        block = opts.block_size or (32 if current_platform.is_cpu() else None)
-        if current_platform.is_cpu() and (block % 32 or head_dim < 32):
-            raise BenchError(f"vLLM's CPU backend needs a block size multiple of 32 (got {block}) and head_dim >= 32")
         self.opts, self.dtype, self.ignore_eos, self.warmup = opts, dtype, ignore_eos, warmup
-        max_len = opts.max_model_len or min(int(getattr(config, "max_position_embeddings", 4096) or 4096), 4096)
-        kwargs = dict(
-            model=path,
-            tokenizer=path,
-            dtype=dtype,
-            seed=0,
-            enforce_eager=True,
-            max_model_len=max_len,
-            block_size=block,
-            enable_prefix_caching=opts.prefix_caching,
-            max_num_seqs=opts.max_num_seqs,
-            max_num_batched_tokens=opts.max_num_batched_tokens,
-            disable_log_stats=False,
-        )
-        if not current_platform.is_cpu():
-            kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        self.engine_kwargs = _engine_kwargs(path, self.config, dtype, opts, current_platform.is_cpu())
+        self.max_model_len = self.engine_kwargs["max_model_len"]
         self.vllm_version = vllm.__version__
-        self.llm = _make_engine(kwargs)
-        self.engine_kwargs = kwargs
-        self.max_model_len = max_len
-        facts = ModelFacts(
-            _rotary_inv_freq(config),
-            config.num_hidden_layers,
-            config.num_key_value_heads,
-            head_dim,
-            torch_dtype,
-            "cpu" if current_platform.is_cpu() else current_platform.device_type,
-        )
-        eos = config.eos_token_id
+        self.llm = _make_engine(self.engine_kwargs)
+        device_type = "cpu" if current_platform.is_cpu() else current_platform.device_type
         self.rt = Runtime(
-            facts,
-            eos_ids=set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else [])),
+            model_facts(self.config, torch_dtype, device_type),
+            eos_ids=eos_ids(self.config),
             ignore_eos=ignore_eos,
             salt_injected=opts.prefix_caching,
         )

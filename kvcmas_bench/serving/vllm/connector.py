@@ -348,20 +348,9 @@ class KVCMASConnector(KVConnectorBase_V1):
 
 def _runtime(vllm_config, device, budget: int | None) -> WorkerRuntime:
     """The worker's runtime: model facts from vLLM's config, K/V on the cache's device."""
-    from .backend import _rotary_inv_freq
-    from .flow import ModelFacts
+    from .backend import eos_ids, model_facts
 
     mc = vllm_config.model_config
-    hf = mc.hf_config
-    facts = ModelFacts(
-        _rotary_inv_freq(hf),
-        hf.num_hidden_layers,
-        mc.get_num_kv_heads(vllm_config.parallel_config),
-        mc.get_head_size(),
-        mc.dtype,
-        device,
-        keep_ready=True,
-    )
-    eos = hf.eos_token_id
-    eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
-    return WorkerRuntime(facts, eos_ids, budget)
+    n_kv = mc.get_num_kv_heads(vllm_config.parallel_config)
+    facts = model_facts(mc.hf_config, mc.dtype, device, n_kv=n_kv, keep_ready=True)
+    return WorkerRuntime(facts, eos_ids(mc.hf_config), budget)

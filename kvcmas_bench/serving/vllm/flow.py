@@ -347,53 +347,14 @@ class TrajectoryRun:
     def finished(self, t: float, tokens: list[int], claimed: int | None) -> RequestRecord:
         """The agent's request completed at ``t``: chain its caches, record it, move to the next agent."""
         a = self.agent
-        n_out = a.request.max_new_tokens
-        out = list(tokens[:n_out])
-        if not self.rt.ignore_eos:
-            for i, tok in enumerate(out):
-                if tok in self.rt.eos_ids:
-                    out = out[:i]
-                    break
-        output_kv = None
-        if a.output_capture is not None and out:
-            cap = a.output_capture
-            if not bool(cap.filled[: len(out)].all()):
-                raise RuntimeError("vLLM finished the request but its output K/V was not captured whole")
-            output_kv = SegmentKV(
-                k=cap.k[:, :, : len(out)],
-                v=cap.v[:, :, : len(out)],
-                start=cap.start,
-                ids=tuple(out),
-                agent=a.request.agent,
-            )
+        out, output_kv = self._output(a, tokens)
         self._chain(a, out, output_kv)
-        prompt = len(a.request.prompt_ids)
-        computed = prompt - (claimed or 0)
-        res = RequestResult(
-            agent=a.request.agent,
-            output_ids=out,
-            ttft_s=a.first_token_s - a.arrival_s,
-            e2e_s=t - a.arrival_s,
-            prompt_tokens=prompt,
-            prefilled_tokens=computed,
-            reused_tokens=a.reused,
-            reference_tokens=a.reference,
-            recomputed_token_layers=a.recomputed,
-            eligible_tokens=a.eligible,
-            segments=a.records,
-            materialized=a.materialized,
-            output_kv=output_kv,
-            kv_bytes=(prompt + len(out)) * self.rt.facts.token_bytes,
-            peak_rss_bytes=_peak_rss(),
-            device_peak_bytes=None,
-            first_token=a.first_token,
-        )
         after = self.method.counters()
         self.steps.append(
             AgentStep(
                 a.node,
                 a.request,
-                res,
+                self._result(a, t, out, output_kv, claimed),
                 "",
                 shared_store_bytes=sum(kv.nbytes for h in self.store.values() for _, kv in h),
                 method_state_bytes=self.method.state_bytes(),
@@ -410,6 +371,47 @@ class TrajectoryRun:
         self.index += 1
         self.agent = None
         return rec
+
+    def _output(self, a: _Agent, tokens: list[int]) -> tuple[list[int], SegmentKV | None]:
+        """The agent's output (``max_new_tokens``, cut at EOS unless ignored) and its captured K/V."""
+        out = list(tokens[: a.request.max_new_tokens])
+        if not self.rt.ignore_eos:
+            for i, tok in enumerate(out):
+                if tok in self.rt.eos_ids:
+                    out = out[:i]
+                    break
+        cap = a.output_capture
+        if cap is None or not out:
+            return out, None
+        if not bool(cap.filled[: len(out)].all()):
+            raise RuntimeError("vLLM finished the request but its output K/V was not captured whole")
+        kv = SegmentKV(k=cap.k[:, :, : len(out)], v=cap.v[:, :, : len(out)], start=cap.start, ids=tuple(out))
+        kv.agent = a.request.agent
+        return out, kv
+
+    def _result(
+        self, a: _Agent, t: float, out: list[int], output_kv: SegmentKV | None, claimed: int | None
+    ) -> RequestResult:
+        prompt = len(a.request.prompt_ids)
+        return RequestResult(
+            agent=a.request.agent,
+            output_ids=out,
+            ttft_s=a.first_token_s - a.arrival_s,
+            e2e_s=t - a.arrival_s,
+            prompt_tokens=prompt,
+            prefilled_tokens=prompt - (claimed or 0),
+            reused_tokens=a.reused,
+            reference_tokens=a.reference,
+            recomputed_token_layers=a.recomputed,
+            eligible_tokens=a.eligible,
+            segments=a.records,
+            materialized=a.materialized,
+            output_kv=output_kv,
+            kv_bytes=(prompt + len(out)) * self.rt.facts.token_bytes,
+            peak_rss_bytes=_peak_rss(),
+            device_peak_bytes=None,
+            first_token=a.first_token,
+        )
 
     def _chain(self, a: _Agent, out: list[int], output_kv: SegmentKV | None) -> None:
         """Sources for later agents, as :func:`~kvcmas_bench.workflow.execute` keeps them."""

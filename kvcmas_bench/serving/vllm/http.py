@@ -312,19 +312,11 @@ class HTTPBackend:
     replays_service = False
 
     def __init__(self, model, device: str, dtype: str, ignore_eos: bool, warmup: bool, opts: ServerOptions):
-        from transformers import AutoConfig, AutoTokenizer
-
-        from ...modeling import check_supported
-        from .backend import _resolve_model
+        from .backend import _resolve_model, load_config_and_tokenizer
 
         path, self.model_name = _resolve_model(model)
         self.model_source = path
-        try:
-            self.config = AutoConfig.from_pretrained(path)
-        except (OSError, ValueError) as exc:
-            raise BenchError(f"cannot load model {model!r}: {str(exc).splitlines()[0]}") from None
-        check_supported(self.config)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.config, self.tokenizer = load_config_and_tokenizer(path, model)
         self.opts, self.dtype, self.ignore_eos, self.warmup = opts, dtype, ignore_eos, warmup
         self.cpu = device == "cpu" or (device == "auto" and not _has_cuda())
         self.server_proc: Server | None = None
