@@ -4,8 +4,9 @@
 For every shared-context length: the in-process engine measures every method once on controlled
 four-agent traces (single stream) and saves the traces, then replays them on its one-request-at-a-time
 FCFS server at ``--qps-factors`` x its NonShared capacity (1 / NonShared trajectory service time).
-``serve-sweep --engine vllm`` serves the same traces for real (continuous batching, Poisson
-arrivals on the wall clock, KV injection through the connector) at the same factors x *vLLM's*
+``serve-sweep --engine vllm`` serves the same traces for real through one ``vllm serve`` with the
+connector, started once for the whole run (continuous batching, Poisson arrivals on the wall clock,
+the harness as HTTP client) at the same factors x *vLLM's*
 single-stream NonShared rate (measured first, NonShared only): the engines differ several-fold in
 speed, so one QPS grid cannot load both. Prints p50/p90 TTFT per engine, method and QPS, and the
 TTFT ratios NonShared / method at the highest QPS NonShared sustains on each engine (in-process:
@@ -14,8 +15,9 @@ utilization < 1; vLLM: trajectories complete as fast as they arrive, drain ratio
 Run it with a Python that has vLLM (``bash scripts/setup.sh --vllm``), one thread per engine
 (torch threads = ``OMP_NUM_THREADS``, default 1):
 
-    OMP_NUM_THREADS=1 python benchmarks/serve_sweep_vllm.py --shared-tokens 512,1024 --trajectories 6 \\
-        --output-tokens 16 --calib-trajectories 2 --qps-factors 0.5,0.9,1.5,2 -o runs/vllm-bench   # the defaults
+    OMP_NUM_THREADS=1 python benchmarks/serve_sweep_vllm.py --shared-tokens 1024,2048 --trajectories 12 \\
+        --warmup-trajectories 4 --output-tokens 16 --calib-trajectories 2 --qps-factors 0.5,0.9,1.5,2 \\
+        -o runs/vllm-bench   # the defaults
 
 Results: ``-o``/``<shared>/in-process`` and ``-o``/``<shared>/vllm`` (ordinary serve-sweep
 directories: config, traces, requests, summary, plots), ``-o``/``comparison.json`` (first keys:
@@ -103,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--shared-tokens", default="512,1024", help="comma-separated context lengths")
-    ap.add_argument("--trajectories", type=int, default=6)
+    ap.add_argument("--shared-tokens", default="1024,2048", help="comma-separated context lengths (default 1024,2048)")
+    ap.add_argument("--trajectories", type=int, default=12, help="measured trajectories (default 12)")
+    ap.add_argument(
+        "--warmup-trajectories", type=int, default=4, help="held-out warm-up trajectories per method (default 4)"
+    )
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--calib-trajectories", type=int, default=2)
     ap.add_argument("--methods", default=METHODS, help=f"comma-separated, NonShared included (default {METHODS})")
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         output_tokens=args.output_tokens,
         calib_trajectories=args.calib_trajectories,
+        warmup_trajectories=args.warmup_trajectories,
         console=console,
         show_table=False,
         progress=lambda msg: console.print(f"[dim]{msg}[/dim]"),

@@ -251,7 +251,22 @@ def _make_engine(kwargs: dict):
     return llm
 
 
-class VLLMBackend:
+class ServedModel:
+    """What both vLLM backends tell about the model they serve (from its config)."""
+
+    config: object
+    max_model_len: int | None
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.max_model_len
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.config, "vocab_size", None)
+
+
+class VLLMBackend(ServedModel):
     """Serve trace requests for real on vLLM (see the package docstring)."""
 
     name = "vllm-inprocess"
@@ -289,14 +304,6 @@ class VLLMBackend:
             self._warm()
 
     # ---- Backend attributes ------------------------------------------------------------------
-    @property
-    def max_positions(self) -> int | None:
-        return self.max_model_len
-
-    @property
-    def vocab_size(self) -> int | None:
-        return getattr(self.config, "vocab_size", None)
-
     @property
     def why_unsupported(self):
         """``why_unsupported(method_cls)``: the reason this engine cannot run a method, or None."""

@@ -36,6 +36,7 @@ from ...methods import Method, MethodSpec
 from ...results.request import RequestRecord
 from ..backends import Schedules, ServeResult
 from ..traces import Trace
+from .backend import ServedModel
 from .worker import agent_params, capture_params, report_params
 
 CONNECTOR_MODULE = "kvcmas_bench.serving.vllm.connector"
@@ -304,7 +305,7 @@ class AgentSent:
     prompt: list[int] = field(default_factory=list)
 
 
-class HTTPBackend:
+class HTTPBackend(ServedModel):
     """Serve trace requests through ``vllm serve`` with the connector (see the module docstring)."""
 
     name = "vllm"
@@ -342,14 +343,6 @@ class HTTPBackend:
             self._request([1] * 8, 2, None)
 
     # ---- Backend attributes ------------------------------------------------------------------
-    @property
-    def max_positions(self) -> int | None:
-        return self.max_model_len
-
-    @property
-    def vocab_size(self) -> int | None:
-        return getattr(self.config, "vocab_size", None)
-
     @property
     def why_unsupported(self):
         return why_not_http
