@@ -251,6 +251,16 @@ class SegmentContext:
         self.prefilled += self.length
         return kv
 
+    #: how many tensor-parallel ranks hold this cache's KV heads between them (each rank sees its own
+    #: heads only; 1: this process holds them all)
+    head_shards: int = 1
+
+    def reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """A figure summed over this rank's KV heads, summed over every rank's (the same tensor on
+        every rank): what makes a distance over all heads, and the decision taken on it, rank-independent.
+        Identity on one device."""
+        return t
+
     def aligned_source(self) -> SegmentKV:
         """The source segment's cache, keys rotated to this segment's positions."""
         if self.source is None:

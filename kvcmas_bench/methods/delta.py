@@ -146,7 +146,9 @@ class OnlineDeltaCorrection(Method):
             decision = None
             ctx.details["gate"] = "scheduled_dense"
         else:
-            decision = self.gate(pool, ctx.consumer, ref_v, ctx.length, ctx.details, force=ctx.forced == "reuse")
+            decision = self.gate(
+                pool, ctx.consumer, ref_v, ctx.length, ctx.details, force=ctx.forced == "reuse", shards=ctx
+            )
         if decision is not None:
             kv = self.correct(ctx, decision, ref_k, ref_v, ref)
             if kv is not None:
@@ -181,6 +183,7 @@ class OnlineDeltaCorrection(Method):
         S: int,
         details: dict | None = None,
         force: bool = False,
+        shards: SegmentContext | None = None,
     ) -> GateDecision | None:
         """Pick compatible anchors and decide reliability by normalized gate entropy.
 
@@ -190,6 +193,8 @@ class OnlineDeltaCorrection(Method):
         ``details`` receives the decision's accounting: outcome, compatible anchors, comparison
         prefix, entropy and the anchors whose activation counts it raised. ``force`` (a scheduled
         reuse, serve-sweep's controlled rho): accept whatever the entropy, with one anchor too.
+        ``shards``: the context whose :meth:`~SegmentContext.reduce_heads` sums the distances over the
+        KV heads other tensor-parallel ranks hold (None: this process holds them all).
         """
         details = {} if details is None else details
         lengths = pool.lengths(consumer)
@@ -213,6 +218,8 @@ class OnlineDeltaCorrection(Method):
         k = min(S, lengths[1])
         cands = pool.compatible(consumer, k)
         dist_v = self.token_sqdist(pool, consumer, cands, "base_v", ref_v[:, :k])
+        if shards is not None:
+            dist_v = shards.reduce_heads(dist_v)
         sq = dist_v.sum(1)
         h, g = gate_entropy(gate_scores(sq, self.gate_mode, self.gate_temperature), self.temperature)
         self.entropies.append((h, S))
@@ -254,18 +261,29 @@ class OnlineDeltaCorrection(Method):
         part: str,
         x: torch.Tensor,
         sqdist: torch.Tensor | None,
+        shards: SegmentContext | None = None,
     ) -> torch.Tensor:
         """Token-wise distance to each anchor base (``[n, k]``) for the interpolation weights.
 
         Full-dimensional anchors (KVComm): mean absolute distance, as KVComm computes it. Low-rank
         anchors (KVCMAS): root-mean-square distance from the factors, which reuses the gate's GEMM
-        and never reconstructs an anchor (the L1 distance would need every ``A @ B``).
+        and never reconstructs an anchor (the L1 distance would need every ``A @ B``). Under tensor
+        parallelism (``shards``) both are taken over every rank's heads: sums reduced, then divided
+        by the element count of all of them. ``sqdist`` is already reduced.
         """
+        n_shards = 1 if shards is None else shards.head_shards
+        elements = x.shape[0] * x.shape[2] * n_shards
         if all(a.factor(part, consumer).b is not None for a in anchors):
-            sq = sqdist if sqdist is not None else self.token_sqdist(pool, consumer, anchors, part, x)
-            return (sq / (x.shape[0] * x.shape[2])).sqrt()
+            if sqdist is None:
+                sqdist = self.token_sqdist(pool, consumer, anchors, part, x)
+                if shards is not None:
+                    sqdist = shards.reduce_heads(sqdist)
+            return (sqdist / elements).sqrt()
         k = x.shape[1]
-        return torch.stack([(x - a.factor(part, consumer).rows(k).float()).abs().mean(dim=(0, 2)) for a in anchors])
+        rows = [x - a.factor(part, consumer).rows(k).float() for a in anchors]
+        if n_shards == 1:
+            return torch.stack([r.abs().mean(dim=(0, 2)) for r in rows])
+        return shards.reduce_heads(torch.stack([r.abs().sum(dim=(0, 2)) for r in rows])) / elements
 
     # ---- Eq. 8 ---------------------------------------------------------------------------------
     def correct(
@@ -286,7 +304,7 @@ class OnlineDeltaCorrection(Method):
         corrs, applied, dropped = [], [], 0.0
         for part, rows in (("k", ref_k), ("v", ref_v)):
             sq = dec.sqdist_v if part == "v" else None
-            dist = self.token_distance(pool, consumer, dec.anchors, f"base_{part}", rows[:, :k], sq)
+            dist = self.token_distance(pool, consumer, dec.anchors, f"base_{part}", rows[:, :k], sq, ctx)
             w = token_weights(dist, self.temperature)
             keep, mass = prune_weights(w, self.prune_tol)
             if float(keep.float().mean()) > 0.5:  # little to skip: the one stacked GEMM, every term
