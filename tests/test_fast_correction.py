@@ -26,7 +26,12 @@ def _requests(q):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("short", [0, 4], ids=["k=S", "k<S"])
 @pytest.mark.parametrize("rank", [3, 8])
-def test_optimized_correction_equals_the_slow_reference(engine, dtype, short, rank):
+@pytest.mark.parametrize("block", [256, 7], ids=["one-block", "blocks-of-7"])
+def test_optimized_correction_equals_the_slow_reference(engine, dtype, short, rank, block, monkeypatch):
+    """Also block by block: 7-row blocks split the 20-30 rows unevenly, the last block partly covered."""
+    from kvcmas_bench.methods.delta import OnlineDeltaCorrection
+
+    monkeypatch.setattr(OnlineDeltaCorrection, "block_tokens", block)
     q = rand_ids(20, 31)
     ra, rb = _requests(q)
     src = engine.run(ra, get_method("nonshared")).materialized["q"]

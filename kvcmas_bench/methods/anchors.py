@@ -139,6 +139,43 @@ def stack_b(anchors: list[Anchor], consumer: str, part: str) -> torch.Tensor:
     return torch.cat([a.factor(part, consumer).b for a in anchors], dim=1)
 
 
+@dataclass(eq=False)
+class FactorStack:
+    """One correction's view of the consumer's ``part`` (base_k, base_v, delta_k or delta_v) of the
+    anchors in use: their factors, and for low-rank ones every ``B`` side by side (:func:`stack_b`,
+    built once per correction, not per block). Row ranges ``[start, start + n)`` select the tokens
+    of one block of the segment."""
+
+    factors: list[Factor]
+    #: ``[layers, sum r_v, D]``; None when the anchors are full-dimensional
+    b_all: torch.Tensor | None
+
+    @classmethod
+    def of(cls, anchors: list[Anchor], consumer: str, part: str) -> FactorStack:
+        factors = [a.factor(part, consumer) for a in anchors]
+        low = all(f.b is not None for f in factors)
+        return cls(factors, stack_b(anchors, consumer, part) if low else None)
+
+    @property
+    def lowrank(self) -> bool:
+        return self.b_all is not None
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.factors]
+
+    def a_rows(self, start: int, n: int) -> list[torch.Tensor]:
+        """Each anchor's ``A`` rows (full-dimensional: the matrix rows) of the block, as views."""
+        return [f.a[:, start : start + n] for f in self.factors]
+
+    def sq_rows(self, start: int, n: int) -> list[torch.Tensor]:
+        return [f.sq[start : start + n] for f in self.factors]
+
+    def rows(self, start: int, n: int) -> list[torch.Tensor]:
+        """Each anchor's reconstructed rows of the block, ``[layers, n, D]``."""
+        return [a if f.b is None else torch.bmm(a, f.b) for f, a in zip(self.factors, self.a_rows(start, n))]
+
+
 @dataclass
 class AnchorPool:
     capacity: int

@@ -33,7 +33,7 @@ from ..ops.lowrank import (
     sparse_apply,
     token_weights,
 )
-from .anchors import Anchor, AnchorPool, instance_key, stack_b, total_layout
+from .anchors import Anchor, AnchorPool, FactorStack, instance_key, total_layout
 from .base import Method, check, state
 
 
@@ -83,6 +83,11 @@ class OnlineDeltaCorrection(Method):
     references: dict[tuple, SegmentKV] = state(default_factory=dict)
 
     max_references: ClassVar[int] = 16
+    #: rows per block of the gate's distances and of the correction: a block's temporaries
+    #: (``[layers, block, sum of ranks]``, a few MB) stay in the CPU caches and are reused by the
+    #: allocator from block to block, where whole-segment ones (hundreds of MB at 4K tokens) cost
+    #: fresh pages every request; results do not depend on it beyond float rounding
+    block_tokens: ClassVar[int] = 256
     learns_online = True
     none_words = {"rank": "full"}
 
@@ -217,7 +222,8 @@ class OnlineDeltaCorrection(Method):
             return None
         k = min(S, lengths[1])
         cands = pool.compatible(consumer, k)
-        dist_v = self.token_sqdist(pool, consumer, cands, "base_v", ref_v[:, :k])
+        bases = FactorStack.of(cands, consumer, "base_v")
+        dist_v = torch.cat([self.token_sqdist(bases, ref_v[:, s : s + n], s) for s, n in self.blocks(k)], dim=1)
         if shards is not None:
             dist_v = shards.reduce_heads(dist_v)
         sq = dist_v.sum(1)
@@ -236,34 +242,34 @@ class OnlineDeltaCorrection(Method):
         details.update(gate="accepted" if h <= self.tau else "scheduled", anchors_used=n_top)
         return GateDecision(cands, k, g, h, dist_v)
 
+    def blocks(self, k: int):
+        """``(start, n)`` of the consecutive blocks of at most :attr:`block_tokens` rows covering ``k``."""
+        size = max(1, self.block_tokens)
+        return [(s, min(size, k - s)) for s in range(0, k, size)]
+
     @staticmethod
-    def token_sqdist(
-        pool: AnchorPool, consumer: str, anchors: list[Anchor], part: str, x: torch.Tensor
-    ) -> torch.Tensor:
-        """``[n, k]`` squared distance of every token of ``x`` to each anchor's ``part`` (base_k or
-        base_v), summed over layers: from the factors (one GEMM with the consumer's stacked B) for
-        low-rank anchors, by reconstruction for full-dimensional ones."""
-        k = x.shape[1]
-        factors = [a.factor(part, consumer) for a in anchors]
-        if all(f.b is not None for f in factors):
-            b_all = stack_b(anchors, consumer, part)
+    def token_sqdist(stack: FactorStack, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``[n, t]`` squared distance of every token of ``x`` (rows ``start .. start + t`` of the
+        segment) to each anchor's base in ``stack``, summed over layers and this rank's heads: from
+        the factors (one GEMM with the stacked B) for low-rank anchors, by reconstruction for
+        full-dimensional ones."""
+        t = x.shape[1]
+        if stack.lowrank:
             x_sq = torch.linalg.vector_norm(x, dim=(0, 2)).square_()
             return lowrank_token_sqdist(
-                x, x_sq, [f.a for f in factors], [f.sq for f in factors], b_all, [f.rank for f in factors]
+                x, x_sq, stack.a_rows(start, t), stack.sq_rows(start, t), stack.b_all, stack.ranks
             )
-        return torch.stack([(x - f.rows(k).float()).square().sum(dim=(0, 2)) for f in factors])
+        return torch.stack([(x - r.float()).square().sum(dim=(0, 2)) for r in stack.rows(start, t)])
 
     def token_distance(
         self,
-        pool: AnchorPool,
-        consumer: str,
-        anchors: list[Anchor],
-        part: str,
+        stack: FactorStack,
         x: torch.Tensor,
-        sqdist: torch.Tensor | None,
+        start: int = 0,
+        sqdist: torch.Tensor | None = None,
         shards: SegmentContext | None = None,
     ) -> torch.Tensor:
-        """Token-wise distance to each anchor base (``[n, k]``) for the interpolation weights.
+        """Token-wise distance to each anchor base (``[n, t]``) for the interpolation weights.
 
         Full-dimensional anchors (KVComm): mean absolute distance, as KVComm computes it. Low-rank
         anchors (KVCMAS): root-mean-square distance from the factors, which reuses the gate's GEMM
@@ -273,17 +279,16 @@ class OnlineDeltaCorrection(Method):
         """
         n_shards = 1 if shards is None else shards.head_shards
         elements = x.shape[0] * x.shape[2] * n_shards
-        if all(a.factor(part, consumer).b is not None for a in anchors):
+        if stack.lowrank:
             if sqdist is None:
-                sqdist = self.token_sqdist(pool, consumer, anchors, part, x)
+                sqdist = self.token_sqdist(stack, x, start)
                 if shards is not None:
                     sqdist = shards.reduce_heads(sqdist)
             return (sqdist / elements).sqrt()
-        k = x.shape[1]
-        rows = [x - a.factor(part, consumer).rows(k).float() for a in anchors]
+        diffs = [x - r.float() for r in stack.rows(start, x.shape[1])]
         if n_shards == 1:
-            return torch.stack([r.abs().mean(dim=(0, 2)) for r in rows])
-        return shards.reduce_heads(torch.stack([r.abs().sum(dim=(0, 2)) for r in rows])) / elements
+            return torch.stack([d.abs().mean(dim=(0, 2)) for d in diffs])
+        return shards.reduce_heads(torch.stack([d.abs().sum(dim=(0, 2)) for d in diffs])) / elements
 
     # ---- Eq. 8 ---------------------------------------------------------------------------------
     def correct(
@@ -296,49 +301,70 @@ class OnlineDeltaCorrection(Method):
     ) -> SegmentKV | None:
         """``align(C_ref) + sum_v w_v A_v B_v`` on the covered prefix, aligned rows beyond it.
 
-        Adds the corrections into ``ref_k``/``ref_v`` in place (they are this call's own rows) once
-        both are finite; a NaN/inf correction leaves them untouched for the dense fallback.
+        Block by block of :attr:`block_tokens` rows, K then V: the block's token weights, its
+        weighted deltas, and its corrected rows written straight into the new K/V in the engine's
+        layout (keys rotated to the segment's positions). ``ref_k``/``ref_v`` stay as they are: a
+        NaN/inf correction returns None and they serve the dense fallback's anchor.
         """
-        k = dec.k
-        pool, consumer = self.pools[ctx.slot], ctx.consumer
-        corrs, applied, dropped = [], [], 0.0
-        for part, rows in (("k", ref_k), ("v", ref_v)):
-            sq = dec.sqdist_v if part == "v" else None
-            dist = self.token_distance(pool, consumer, dec.anchors, f"base_{part}", rows[:, :k], sq, ctx)
-            w = token_weights(dist, self.temperature)
-            keep, mass = prune_weights(w, self.prune_tol)
-            if float(keep.float().mean()) > 0.5:  # little to skip: the one stacked GEMM, every term
-                keep, mass = torch.ones_like(keep), mass.zero_()
-                corrs.append(self.weighted_delta(pool, consumer, dec.anchors, f"delta_{part}", w, k))
-            else:
-                factors = [a.factor(f"delta_{part}", consumer) for a in dec.anchors]
-                corrs.append(sparse_apply(w, keep, [f.a for f in factors], [f.b for f in factors]))
-            applied.append(round(float(keep.float().sum(0).mean()), 3))
-            dropped = max(dropped, float(mass.max()) if mass.numel() else 0.0)
+        k, engine = dec.k, ctx.engine
+        consumer = ctx.consumer
+        L, S, D = ref_k.shape
+        shape = (L, engine.n_kv, S, D // engine.n_kv)
+        out = {p: torch.empty(shape, dtype=engine.dtype, device=ref_k.device) for p in "kv"}
+        stacks = {
+            p: (FactorStack.of(dec.anchors, consumer, f"base_{p}"), FactorStack.of(dec.anchors, consumer, f"delta_{p}"))
+            for p in "kv"
+        }
+        kept, dropped = {"k": 0.0, "v": 0.0}, 0.0
+        for start, n in self.blocks(k):
+            for p, rows in (("k", ref_k), ("v", ref_v)):
+                x = rows[:, start : start + n]
+                bases, deltas = stacks[p]
+                sq = dec.sqdist_v[:, start : start + n] if p == "v" and dec.sqdist_v is not None else None
+                w = token_weights(self.token_distance(bases, x, start, sq, ctx), self.temperature)
+                keep, mass = prune_weights(w, self.prune_tol)
+                if float(keep.float().mean()) > 0.5:  # little to skip: the one stacked GEMM, every term
+                    keep, mass = torch.ones_like(keep), mass.zero_()
+                    corr = self.weighted_delta(deltas, w, start)
+                else:
+                    corr = sparse_apply(w, keep, deltas.a_rows(start, n), [f.b for f in deltas.factors])
+                if not bool(torch.isfinite(corr.sum())):  # a NaN/inf anywhere reaches the sum
+                    return None
+                kept[p] += float(keep.float().sum())
+                dropped = max(dropped, float(mass.max()) if mass.numel() else 0.0)
+                corrected = corr.add_(x) if corr.dtype == x.dtype else torch.add(x, corr)
+                self._write(ctx, out[p], p, corrected, start)
+        if k < S:  # rows beyond the covered prefix: the aligned reference
+            self._write(ctx, out["k"], "k", ref_k[:, k:], k)
+            self._write(ctx, out["v"], "v", ref_v[:, k:], k)
         # anchors applied per token (mean over tokens, K then V) and the largest dropped weight mass
-        ctx.details.update(anchors_applied=applied, dropped_weight=float(f"{dropped:.6g}"))
-        if not all(bool(torch.isfinite(c.sum())) for c in corrs):  # a NaN/inf anywhere reaches the sum
-            return None
-        ref_k[:, :k] += corrs[0]
-        ref_v[:, :k] += corrs[1]
-        engine = ctx.engine
-        keys = rows_to_keys(ref_k, ctx.start, engine.inv_freq, engine.n_kv, engine.dtype)
-        values = from_rows(ref_v, engine.n_kv).to(engine.dtype)
-        kv = SegmentKV(k=keys, v=values, start=ctx.start, ids=tuple(ctx.segment.ids), status="corrected")
+        ctx.details.update(
+            anchors_applied=[round(kept[p] / k, 3) for p in "kv"], dropped_weight=float(f"{dropped:.6g}")
+        )
+        kv = SegmentKV(k=out["k"], v=out["v"], start=ctx.start, ids=tuple(ctx.segment.ids), status="corrected")
         if self.exact_layer0:
             kv = ctx.exact_layer0(kv, ref)
         return kv
 
     @staticmethod
-    def weighted_delta(
-        pool: AnchorPool, consumer: str, anchors: list[Anchor], part: str, w: torch.Tensor, k: int
-    ) -> torch.Tensor:
-        """``sum_v w[v, t] Delta_v[l, t]`` on the first ``k`` rows, ``[layers, k, D]`` float32."""
-        factors = [a.factor(part, consumer) for a in anchors]
-        if all(f.b is not None for f in factors):
-            b_all = stack_b(anchors, consumer, part)
-            return lowrank_apply(w, [f.a for f in factors], b_all, [f.rank for f in factors]).float()
-        return sum(w[i][None, :, None] * f.rows(k).float() for i, f in enumerate(factors))
+    def _write(ctx: SegmentContext, out: torch.Tensor, part: str, rows: torch.Tensor, start: int) -> None:
+        """Rows ``start ..`` of ``out`` (``[layers, kv_heads, S, hd]``) from canonical row-layout
+        ``rows``: keys rotated to the segment's positions, values as they are."""
+        engine = ctx.engine
+        dst = out[:, :, start : start + rows.shape[1]]
+        if part == "k":
+            rows_to_keys(rows, ctx.start, engine.inv_freq, engine.n_kv, out.dtype, out=dst)
+        else:
+            dst.copy_(from_rows(rows, engine.n_kv))
+
+    @staticmethod
+    def weighted_delta(stack: FactorStack, w: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``sum_v w[v, t] Delta_v[l, start + t]``, ``[layers, t, D]``: one GEMM over the stacked
+        factors (in their dtype) for low-rank anchors, a weighted sum of the rows (float32) otherwise."""
+        t = w.shape[1]
+        if stack.lowrank:
+            return lowrank_apply(w, stack.a_rows(start, t), stack.b_all, stack.ranks)
+        return sum(w[i][None, :, None] * r.float() for i, r in enumerate(stack.rows(start, t)))
 
     # ---- Eq. 12 --------------------------------------------------------------------------------
     def insert(

@@ -96,21 +96,30 @@ def shift_to_rows(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> tor
 
 
 def rows_to_keys(
-    rows: torch.Tensor, delta: int, inv_freq: torch.Tensor, kv_heads: int, dtype: torch.dtype
+    rows: torch.Tensor,
+    delta: int,
+    inv_freq: torch.Tensor,
+    kv_heads: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``shift_keys(from_rows(rows), delta)`` in one pass, as a contiguous ``[layers, kv_heads, S, hd]``."""
+    """``shift_keys(from_rows(rows), delta)`` in one pass, as a contiguous ``[layers, kv_heads, S, hd]``
+    (or written into ``out``, a view of that shape, float32 ones directly)."""
     L, S, D = rows.shape
     hd = D // kv_heads
     h = hd // 2
     c, s = (t.to(rows.device) for t in rope_shift_halves(inv_freq, delta))
     x = rows.view(L, S, kv_heads, hd).permute(0, 2, 1, 3)
     x1, x2 = x[..., :h], x[..., h:]
-    out = torch.empty(L, kv_heads, S, hd, dtype=torch.float32, device=rows.device)
-    torch.mul(x1, c, out=out[..., :h])
-    out[..., :h].addcmul_(x2, s, value=-1.0)
-    torch.mul(x2, c, out=out[..., h:])
-    out[..., h:].addcmul_(x1, s)
-    return out if dtype == torch.float32 else out.to(dtype)
+    direct = out is not None and out.dtype == torch.float32
+    dst = out if direct else torch.empty(L, kv_heads, S, hd, dtype=torch.float32, device=rows.device)
+    torch.mul(x1, c, out=dst[..., :h])
+    dst[..., :h].addcmul_(x2, s, value=-1.0)
+    torch.mul(x2, c, out=dst[..., h:])
+    dst[..., h:].addcmul_(x1, s)
+    if out is not None:
+        return out if direct else out.copy_(dst)
+    return dst if dtype == torch.float32 else dst.to(dtype)
 
 
 def lowrank_sqdist(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
