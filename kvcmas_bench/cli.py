@@ -308,7 +308,7 @@ def serve_cmd(
     import shlex
 
     from .serving.vllm.backend import _resolve_model
-    from .serving.vllm.http import ServerOptions, _dtype_arg, _has_cuda, serve_command
+    from .serving.vllm.http import ServerOptions, _dtype_arg, _has_cuda, serve_command, server_env
 
     opts = ServerOptions.parse(_pairs("--engine-arg", engine_arg) or {})
     path, _ = _resolve_model(model)
@@ -317,7 +317,8 @@ def serve_cmd(
     sys.stderr.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
     if dry_run:
         return
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts.kv_cache_gib))
+    for key, value in server_env(opts, cpu).items():
+        os.environ.setdefault(key, value)
     os.execv(cmd[0], cmd)
 
 
