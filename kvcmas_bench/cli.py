@@ -314,11 +314,11 @@ def serve_cmd(
     path, _ = _resolve_model(model)
     cpu = device == "cpu" or (device == "auto" and not _has_cuda())
     cmd = serve_command(path, port, _dtype_arg(dtype, cpu), opts, cpu, host=host)
-    sys.stderr.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+    env = {k: v for k, v in server_env(opts, cpu).items() if k not in os.environ}
+    sys.stderr.write(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(c) for c in cmd]) + "\n")
     if dry_run:
         return
-    for key, value in server_env(opts, cpu).items():
-        os.environ.setdefault(key, value)
+    os.environ.update(env)
     os.execv(cmd[0], cmd)
 
 
