@@ -308,16 +308,17 @@ def serve_cmd(
     import shlex
 
     from .serving.vllm.backend import _resolve_model
-    from .serving.vllm.http import ServerOptions, _dtype_arg, _has_cuda, serve_command
+    from .serving.vllm.http import ServerOptions, _dtype_arg, _has_cuda, serve_command, server_env
 
     opts = ServerOptions.parse(_pairs("--engine-arg", engine_arg) or {})
     path, _ = _resolve_model(model)
     cpu = device == "cpu" or (device == "auto" and not _has_cuda())
     cmd = serve_command(path, port, _dtype_arg(dtype, cpu), opts, cpu, host=host)
-    sys.stderr.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+    env = {k: v for k, v in server_env(opts, cpu).items() if k not in os.environ}
+    sys.stderr.write(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(c) for c in cmd]) + "\n")
     if dry_run:
         return
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts.kv_cache_gib))
+    os.environ.update(env)
     os.execv(cmd[0], cmd)
 
 

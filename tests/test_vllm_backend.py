@@ -268,9 +268,9 @@ def test_missing_vllm_is_one_line_with_the_install_hint(tmp_path, capsys):
 ENGINE_ARGS = {"prefix_caching": "true", "kv_cache_gib": "1", "max_num_batched_tokens": "64", "max_num_seqs": "8"}
 
 
-@pytest.fixture(scope="session")
-def vllm_model_dir(tmp_path_factory):
-    """A tiny random Llama vLLM's CPU backend accepts (head_dim 64), with the SmolLM2 tokenizer."""
+def tiny_llama_dir(d, kv_heads: int = 1) -> str:
+    """A tiny random Llama vLLM's CPU backend accepts (head_dim 64, ``kv_heads`` KV heads), with
+    the SmolLM2 tokenizer, saved in ``d``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from kvcmas_bench.modeling import default_model_dir
@@ -282,7 +282,7 @@ def vllm_model_dir(tmp_path_factory):
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=2,
-        num_key_value_heads=1,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         eos_token_id=tok.eos_token_id,
         bos_token_id=None,
@@ -294,10 +294,15 @@ def vllm_model_dir(tmp_path_factory):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.ndim > 1 else None
-    d = tmp_path_factory.mktemp("tiny-llama-hd64")
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory):
+    """A tiny random Llama vLLM's CPU backend accepts (head_dim 64, one KV head)."""
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama-hd64"))
 
 
 @pytest.fixture(scope="session")

@@ -143,8 +143,11 @@ def eos_ids(config) -> set[int]:
     return set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
 
 
-def model_facts(config, torch_dtype, device: str, n_kv: int | None = None, keep_ready: bool = False) -> ModelFacts:
-    """What the methods read from the model when they plan requests for vLLM."""
+def model_facts(
+    config, torch_dtype, device: str, n_kv: int | None = None, keep_ready: bool = False, shards=None
+) -> ModelFacts:
+    """What the methods read from the model when they plan requests for vLLM (``n_kv``: the KV heads
+    this worker holds; ``shards``: its tensor-parallel share, :class:`~.tp.HeadShards`)."""
     return ModelFacts(
         _rotary_inv_freq(config),
         config.num_hidden_layers,
@@ -153,6 +156,7 @@ def model_facts(config, torch_dtype, device: str, n_kv: int | None = None, keep_
         torch_dtype,
         device,
         keep_ready=keep_ready,
+        shards=shards,
     )
 
 

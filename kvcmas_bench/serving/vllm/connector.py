@@ -34,6 +34,13 @@ A plan holds, for one request (positions are absolute prompt positions):
 Every step is handled by intersecting these ranges with the tokens the step computes, so chunked
 prefill and preemption (re-scheduled requests get their plan applied again) are covered. Memory
 access goes through :class:`~.layout.KVLayout`, probed with vLLM's own cache-write op.
+
+**Tensor parallelism** (server mode): every rank's worker has its own runtime on its own KV heads
+(the rank's paged cache, so plans, captures, sources and anchors hold that rank's heads); every
+rank gets the same step metadata and plans the same requests in the same order; the delta
+methods' gate and token weights are summed over the ranks, and each request's outcome is agreed
+over the group before rank 0 alone answers the scheduler and keeps the records (:mod:`.tp`).
+Pipeline and context parallelism are refused (:func:`~.tp.parallel_refusal`).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .layout import KVLayout, slots_at, slots_of
 from .plan import KEY, STORE, Capture, Plan  # noqa: F401  (Capture, Plan: re-exported for callers)
+from .tp import HeadShards, parallel_refusal
 from .worker import WorkerRuntime, params_of
 
 #: the worker side's runtime (one per worker process)
@@ -122,12 +130,11 @@ class KVCMASConnector(KVConnectorBase_V1):
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
         self._budget = int(float(extra["budget_gib"]) * 2**30) if extra.get("budget_gib") else None
-        tp = vllm_config.parallel_config.tensor_parallel_size * vllm_config.parallel_config.pipeline_parallel_size
-        if tp > 1:
-            raise ValueError(
-                "KVCMASConnector runs with one worker (tensor_parallel_size = pipeline_parallel_size = 1): "
-                "its plans, sources and anchors hold every KV head, and the gate decides on all of them"
-            )
+        why = parallel_refusal(vllm_config.parallel_config)
+        if why:
+            raise ValueError(f"KVCMASConnector cannot run with {why}")
+        #: tensor parallelism: each rank's worker plans on its own KV heads (:mod:`.tp`)
+        self._tp = vllm_config.parallel_config.tensor_parallel_size
         # scheduler side, server mode
         self._server: set[str] = set()
         self._asked: set[str] = set()
@@ -150,6 +157,11 @@ class KVCMASConnector(KVConnectorBase_V1):
         key = _key(request)
         if key is None:
             return 0, False
+        if self._tp > 1:
+            raise ValueError(
+                "in-process plans (--engine vllm-inprocess) reach one worker process only; "
+                "tensor parallelism needs the server mode (--engine vllm)"
+            )
         n = min(STORE.plans[key].prefix_len, request.num_prompt_tokens - 1)
         return max(0, n - num_computed_tokens), False
 
@@ -347,10 +359,12 @@ class KVCMASConnector(KVConnectorBase_V1):
 
 
 def _runtime(vllm_config, device, budget: int | None) -> WorkerRuntime:
-    """The worker's runtime: model facts from vLLM's config, K/V on the cache's device."""
+    """The worker's runtime: model facts from vLLM's config, K/V on the cache's device. Under tensor
+    parallelism every rank has its own, on its own KV heads (``n_kv`` is the rank's head count)."""
     from .backend import eos_ids, model_facts
 
     mc = vllm_config.model_config
     n_kv = mc.get_num_kv_heads(vllm_config.parallel_config)
-    facts = model_facts(mc.hf_config, mc.dtype, device, n_kv=n_kv, keep_ready=True)
+    shards = HeadShards.from_vllm(vllm_config)
+    facts = model_facts(mc.hf_config, mc.dtype, device, n_kv=n_kv, keep_ready=True, shards=shards)
     return WorkerRuntime(facts, eos_ids(mc.hf_config), budget)

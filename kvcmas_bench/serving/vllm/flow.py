@@ -40,6 +40,7 @@ from ...workflow import AgentStep, Node, UnitRun, _sources, out_slot, request_re
 from ..backends import trace_nodes
 from ..traces import Trace
 from .plan import Capture, Plan
+from .tp import HeadShards
 
 
 class NeedKV(Exception):
@@ -52,10 +53,21 @@ class NeedKV(Exception):
 
 class ModelFacts:
     """What methods read from ``ctx.engine`` here: shapes, dtype, the rotary ``inv_freq``, and
-    context-free references served by prefill-only requests (``ready``, filled by the client)."""
+    context-free references served by prefill-only requests (``ready``, filled by the client).
+
+    Under tensor parallelism (``shards``, the worker of one rank) ``n_kv`` is the rank's own KV-head
+    count: every cache here holds that rank's heads only (:mod:`.tp`)."""
 
     def __init__(
-        self, inv_freq: torch.Tensor, n_layers: int, n_kv: int, head_dim: int, dtype, device, keep_ready: bool = False
+        self,
+        inv_freq: torch.Tensor,
+        n_layers: int,
+        n_kv: int,
+        head_dim: int,
+        dtype,
+        device,
+        keep_ready: bool = False,
+        shards: HeadShards | None = None,
     ):
         self.inv_freq = inv_freq
         self.n_layers, self.n_kv, self.head_dim = n_layers, n_kv, head_dim
@@ -64,6 +76,10 @@ class ModelFacts:
         #: keep references once served (the server side: the client asks for each one once); else
         #: each is used by the one request that waited for it
         self.keep_ready = keep_ready
+        if shards is not None and shards.heads != n_kv:
+            raise ValueError(f"rank {shards.rank} holds {shards.heads} KV heads, the facts say {n_kv}")
+        #: this rank's KV heads and the TP group's collectives (None: one device holds every head)
+        self.shards = shards
 
     def empty(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.n_layers, self.n_kv, tokens, self.head_dim)
@@ -86,10 +102,16 @@ class ModelFacts:
 
 
 class PlanContext(SegmentContext):
-    """:class:`~kvcmas_bench.engine.SegmentContext` for an engine that runs requests whole."""
+    """:class:`~kvcmas_bench.engine.SegmentContext` for an engine that runs requests whole.
+
+    Under tensor parallelism (``facts.shards``) the caches it hands the method hold the rank's KV
+    heads; ``head_shards`` and :meth:`reduce_heads` (an all-reduce over the TP group) make the delta
+    methods' gate and token weights span every head, so each rank takes the same decision."""
 
     def __init__(self, facts: ModelFacts, request: Request, segment, start: int, source: SegmentKV | None):
         self.engine = facts  # type: ignore[assignment]
+        self.shards = facts.shards
+        self.head_shards = 1 if facts.shards is None else facts.shards.count
         self.cache = None  # type: ignore[assignment]
         self.request, self.segment, self.start, self.source = request, segment, start, source
         self.prefilled = self.reference_tokens = self.recomputed_token_layers = 0
@@ -113,6 +135,9 @@ class PlanContext(SegmentContext):
         kv.v[0] = reference.v[0].to(kv.v.dtype)
         self.recomputed_token_layers += self.length
         return kv
+
+    def reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.shards is None else self.shards.reduce(t)
 
     def _internals(self, *_, **__):
         raise BenchError("this method needs partial forwards through the model's layers (not on the vLLM engine)")

@@ -71,8 +71,11 @@ class ServerOptions:
     enforce_eager: bool = False
     #: stop every request at its first token (the paper's TTFT setting, B.4)
     stop_at_first_token: bool = False
-    #: worker-side byte budget for held K/V (GiB; None: unbounded)
+    #: worker-side byte budget for held K/V (GiB; None: unbounded; per tensor-parallel rank)
     budget_gib: float | None = None
+    #: tensor-parallel ranks (``--tensor-parallel-size``): each rank's worker runs the methods on its
+    #: own KV heads, the gate's distances summed over all of them (see :mod:`.tp`)
+    tensor_parallel_size: int = 1
     #: seconds to wait for the server to come up
     startup_timeout: float = 600.0
     #: the ``vllm`` executable (None: next to this Python, else on PATH)
@@ -93,7 +96,14 @@ class ServerOptions:
             typ = known[key].type
             out[key] = value if "str" in typ and isinstance(value, str) else _convert(key, value, typ)
         opts = cls(**out)
-        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_gib"):
+        for name in (
+            "block_size",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "kv_cache_gib",
+            "tensor_parallel_size",
+        ):
             v = getattr(opts, name)
             if v is not None and v < 1:
                 raise BenchError(f"--engine-arg {name} must be a positive integer, got {v}")
@@ -157,6 +167,8 @@ def serve_command(model: str, port: int, dtype: str, opts: ServerOptions, cpu: b
             cmd += [flag, str(value)]
     if not cpu:
         cmd += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
+    if opts.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(opts.tensor_parallel_size)]
     if opts.enforce_eager:
         cmd += ["--enforce-eager"]
     if opts.extra_args:
@@ -164,6 +176,28 @@ def serve_command(model: str, port: int, dtype: str, opts: ServerOptions, cpu: b
 
         cmd += shlex.split(opts.extra_args)
     return cmd
+
+
+def server_env(opts: ServerOptions, cpu: bool) -> dict[str, str]:
+    """Environment defaults of the deployment (a caller's own settings win). On CPU:
+    ``VLLM_CPU_KVCACHE_SPACE`` (per rank), and with tensor parallelism ``VLLM_CPU_OMP_THREADS_BIND``
+    split over the CPUs this process may use: vLLM's automatic binding gives each CPU worker a NUMA
+    node of its own and refuses ("Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers") on a one-node machine."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(opts.kv_cache_gib)} if cpu else {}
+    if cpu and opts.tensor_parallel_size > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_bind(opts.tensor_parallel_size)
+    return env
+
+
+def cpu_thread_bind(world: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``world`` CPU workers: the allowed CPUs in ``world``
+    contiguous lists ("0|1" on two CPUs), or "nobind" with fewer CPUs than workers."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < world:
+        return "nobind"
+    n = len(cpus) // world
+    return "|".join(",".join(str(c) for c in cpus[i * n : (i + 1) * n]) for i in range(world))
 
 
 def _free_port() -> int:
@@ -329,8 +363,7 @@ class HTTPBackend(ServedModel):
         else:
             port = _free_port()
             self.command = serve_command(path, port, _dtype_arg(dtype, self.cpu), opts, self.cpu)
-            env = dict(os.environ)
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(opts.kv_cache_gib))
+            env = {**server_env(opts, self.cpu), **os.environ}
             env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
             self.server_proc = Server(self.command, env, port, opts.startup_timeout)
             self.base_url = f"http://127.0.0.1:{port}"

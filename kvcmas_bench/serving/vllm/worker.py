@@ -25,6 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -161,7 +162,13 @@ class WorkerRuntime:
     K/V held for live trajectories and captured references (least recently used go first)."""
 
     def __init__(self, facts: ModelFacts, eos_ids: set[int], budget_bytes: int | None = None, rank: int = 0):
-        self.facts, self.eos_ids, self.budget, self.rank = facts, set(eos_ids), budget_bytes, rank
+        self.facts, self.eos_ids, self.budget = facts, set(eos_ids), budget_bytes
+        #: under tensor parallelism: this rank's KV heads and the group's collectives (:mod:`.tp`)
+        self.shards = facts.shards
+        self.rank = self.shards.rank if self.shards is not None else rank
+        #: rank 0 answers the scheduler and keeps the records; the other ranks plan the same
+        #: requests on their own heads, in the same order, and answer nothing
+        self.publishes = self.rank == 0
         self.system_kv: dict[tuple[int, ...], SegmentKV] = {}
         self.sessions: dict[str, Session] = {}
         self.live: dict[str, Live] = {}
@@ -233,6 +240,8 @@ class WorkerRuntime:
 
     def _plan(self, req_id: str, meta: dict, prompt: list[int]) -> None:
         live = self.live[req_id]
+        sess = traj = plan = None
+        claim, error, outcome = 0, None, ""
         try:
             sess = self.session(meta)
             traj = sess.trajectories.get(meta["trajectory"])
@@ -255,17 +264,31 @@ class WorkerRuntime:
             if list(got.prompt) != list(prompt):
                 raise RuntimeError("the plan's prompt differs from the request's")
             traj.submitted(0.0)
-            live.session, live.trajectory, live.plan = sess, traj, got.plan
-            live.claim = min(got.plan.prefix_len if got.plan is not None else 0, len(prompt) - 1)
+            plan = got.plan
+            claim = min(plan.prefix_len if plan is not None else 0, len(prompt) - 1)
+            outcome = "|".join(f"{m}:{r.status}" for m, r in zip(traj.agent.modes, traj.agent.records))
             self._evict(sess)
         except Exception as exc:  # serve it dense, say why in its record
             traceback.print_exc()
-            live.error = f"{type(exc).__name__}: {exc}"
-            live.plan, live.claim = None, 0
-        with self.lock:
-            self.claims[req_id] = live.claim
-            if live.error:
-                self.errors[req_id] = live.error
+            error = f"{type(exc).__name__}: {exc}"
+        if self.shards is not None and self.shards.world > 1:
+            # one outcome for the whole TP group: the tokens claimed and every segment's mode and status
+            lo, hi, failed = self.shards.agree([claim, zlib.crc32(outcome.encode())], error is not None)
+            if error is None and failed:
+                error = "RuntimeError: planning failed on another tensor-parallel rank"
+            elif error is None and lo != hi:
+                error = f"RuntimeError: tensor-parallel ranks disagree on the plan (claims {lo[0]}..{hi[0]} tokens)"
+        if error is not None:
+            sess = traj = plan = None
+            claim = 0
+        live.session, live.trajectory, live.plan, live.claim, live.error = sess, traj, plan, claim, error
+        if self.shards is not None:
+            self.shards.barrier()  # every rank's request state is final before the scheduler hears of it
+        if self.publishes:
+            with self.lock:
+                self.claims[req_id] = claim
+                if error:
+                    self.errors[req_id] = error
 
     def plan_of(self, req_id: str) -> Plan | None:
         live = self.live.get(req_id)
@@ -345,11 +368,14 @@ class WorkerRuntime:
             layout = getattr(sess.method, "state_layout", None)
             if callable(layout):
                 extra["method_state"] = layout()
+            if self.shards is not None:
+                extra["tensor_parallel"] = self.shards.describe()
             out = [{"session": extra}] + out
             if meta.get("end"):
                 self.sessions.pop(meta["session"], None)
-        with self.lock:
-            self.answers[req_id] = out
+        if self.publishes:
+            with self.lock:
+                self.answers[req_id] = out
 
     # ---- memory --------------------------------------------------------------------------------
     def held_bytes(self) -> int:
