@@ -480,7 +480,7 @@ def test_serve_sweep_on_vllm_writes_records_summary_and_plots_naming_the_engine(
     assert run_cli(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     config = json.loads((out / "config.json").read_text())
-    assert summary["engine"] == "vllm-inprocess" and config["backend"] == "vllm-inprocess"
+    assert summary["engine"] == "vllm-inprocess" and config["engine"] == "vllm-inprocess"
     assert config["backend_config"]["name"] == "vllm-inprocess" and "vLLM" in config["backend_config"]["engine"]
     assert len(summary["rows"]) == 5 * 2 and (out / "ttft_p50.png").exists()
     reqs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]

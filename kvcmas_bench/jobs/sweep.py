@@ -62,7 +62,7 @@ MEASURE_KEYS = (
     "model",
     "dtype",
     "device",
-    "backend",
+    "engine",
     "method_args",
     "matched_rho",
     "traces_sha256",
@@ -325,7 +325,7 @@ def sweep_config(
         "model_source": backend.model_source,
         "dtype": dtype,
         "device": device,
-        "backend": backend.name,
+        "engine": backend.name,
         "method_args": method_args,
         "ignore_eos": ignore_eos,
         "warmup": warmup,
@@ -719,7 +719,7 @@ def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, con
     mark_saturation(rows)
     summary = {
         "server": config.get("server"),
-        "engine": config.get("backend"),
+        "engine": config.get("engine"),
         "qps_unit": QPS_UNIT,
         "qps": list(config["qps"]),
         "burstiness": config["burstiness"],
@@ -803,6 +803,8 @@ def _read_config(path: Path) -> dict:
         raise BenchError(f"{path} is not valid JSON; use another --output-path") from None
     if not isinstance(config, dict):
         raise BenchError(f"{path} is not a serve-sweep configuration; use another --output-path")
+    if "engine" not in config and "backend" in config:  # written before the key was named engine
+        config["engine"] = config.pop("backend")
     return config
 
 
