@@ -365,6 +365,9 @@ def test_chained_plot_and_input_errors(tmp_path, tiny_lm):
         serve_sweep(["nonshared"], [0], [4090], 1, str(tmp_path / "e"), **kw)
     with pytest.raises(BenchError, match="trajectories"):
         serve_sweep(["nonshared"], [0], [16], 0, str(tmp_path / "e"), **kw)
+    with pytest.raises(BenchError, match="--warmup-trajectories must be >= 0, got -1"):
+        serve_sweep(["nonshared"], [0], [16], 1, str(tmp_path / "e"), warmup_trajectories=-1, **kw)
+    assert not (tmp_path / "e").exists()
 
 
 def test_request_record_roundtrip():

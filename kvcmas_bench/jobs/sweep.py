@@ -155,7 +155,9 @@ def validate(
     output_tokens: int,
     calib_trajectories: int,
     from_file: bool,
+    warmup_trajectories: int = 0,
 ) -> tuple[list[str], list[float]]:
+    """Check the sweep's options before anything loads; the method names and the sorted QPS values."""
     names = expand_methods(methods)
     if not qps:
         raise BenchError("no QPS values given (0 = single stream)")
@@ -173,6 +175,8 @@ def validate(
         raise BenchError(f"--output-tokens must be a positive integer, got {output_tokens}")
     if calib_trajectories < 0:
         raise BenchError(f"calibration trajectories must be >= 0, got {calib_trajectories}")
+    if warmup_trajectories < 0:
+        raise BenchError(f"--warmup-trajectories must be >= 0, got {warmup_trajectories}")
     return names, sorted({float(q) for q in qps})
 
 
@@ -417,7 +421,7 @@ def serve_sweep(
     """
     from rich.console import Console
 
-    names, qps_list = _check_inputs(
+    names, qps_list = validate(
         methods,
         qps,
         shared_tokens,
@@ -425,7 +429,7 @@ def serve_sweep(
         burstiness,
         output_tokens,
         calib_trajectories,
-        traces_path,
+        traces_path is not None,
         warmup_trajectories,
     )
     engine_name = backend if isinstance(backend, str) else ("in-process" if backend is None else backend.name)
@@ -467,33 +471,6 @@ def serve_sweep(
         timelines = serve_all(sweep, backend, saved, config, out_dir / "service.jsonl", say)
         _write_config(out_dir, config, backend)
         return finish(out_dir, config, timelines, plots, console if show_table else None)
-
-
-def _check_inputs(
-    methods: Sequence[str],
-    qps: Sequence[float],
-    shared_tokens: Sequence[int],
-    num_trajectories: int,
-    burstiness: float,
-    output_tokens: int,
-    calib_trajectories: int,
-    traces_path: str | None,
-    warmup_trajectories: int,
-) -> tuple[list[str], list[float]]:
-    """:func:`validate` and the options only a served sweep has: method names and sorted QPS values."""
-    names, qps_list = validate(
-        methods,
-        qps,
-        shared_tokens,
-        num_trajectories,
-        burstiness,
-        output_tokens,
-        calib_trajectories,
-        traces_path is not None,
-    )
-    if warmup_trajectories < 0:
-        raise BenchError(f"--warmup-trajectories must be >= 0, got {warmup_trajectories}")
-    return names, qps_list
 
 
 def _method_specs(
