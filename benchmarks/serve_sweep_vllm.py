@@ -34,6 +34,7 @@ spread (max - min) / median flagged "SPREAD > 20%: not reproducible on this mach
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -260,33 +261,21 @@ def run_all(args, methods, lengths, factors, engine_options, root: Path, common:
     try:
         for s in lengths:
             t0 = time.perf_counter()
-            traces = str(root / str(s) / "in-process" / "traces.jsonl")
-            probe = serve_sweep(
-                ["nonshared"],
-                [0],
-                [s],
-                args.trajectories,
-                str(root / str(s) / "vllm-single-stream"),
-                traces_path=traces,
+            # the probe and the sweep: the in-process engine's traces at this length, on the server
+            on_vllm = functools.partial(
+                serve_sweep,
+                shared_tokens=[s],
+                num_trajectories=args.trajectories,
+                traces_path=str(root / str(s) / "in-process" / "traces.jsonl"),
                 backend="vllm",
                 engine_options=engine_options,
-                plots=False,
                 **common,
             )
+            probe = on_vllm(["nonshared"], [0], output_path=str(root / str(s) / "vllm-single-stream"), plots=False)
             t_ns = next(r for r in probe["rows"] if r["method"] == "nonshared")
             # a single stream's makespan is the sum of the trajectories' latencies
             rate = t_ns["n_trajectories"] / t_ns["makespan_s"]
-            serve_sweep(
-                methods,
-                [0.0] + [round(f * rate, 4) for f in factors],
-                [s],
-                args.trajectories,
-                str(root / str(s) / "vllm"),
-                traces_path=traces,
-                backend="vllm",
-                engine_options=engine_options,
-                **common,
-            )
+            on_vllm(methods, [0.0] + [round(f * rate, 4) for f in factors], output_path=str(root / str(s) / "vllm"))
             common["console"].print(f"[dim]vLLM sweep at {s} shared tokens: {time.perf_counter() - t0:.0f} s[/dim]")
     finally:
         if server is not None:

@@ -255,7 +255,7 @@ def serve_sweep_cmd(
         "Without it the gated methods reach the rho their tau gives.",
     ),
     engine: str = typer.Option(
-        "in-process", "--engine", "--backend", help="Serving backend (see `kvcmas-bench backends`)."
+        "in-process", "--engine", "--backend", help="Serving engine (see `kvcmas-bench backends`)."
     ),
     engine_arg: EngineArg = None,
 ) -> None:
@@ -725,10 +725,10 @@ def list_methods(
 
 @app.command("backends")
 def list_backends() -> None:
-    """List the serving backends (``serve-sweep --engine``)."""
+    """List the serving engines (``serve-sweep --engine``), one Backend plugin each."""
     from .serving.backends import BACKENDS
 
-    t = Table(title="serving backends")
+    t = Table(title="serving engines (serve-sweep --engine)")
     t.add_column("name")
     t.add_column("what it is")
     for name, factory in BACKENDS.items():

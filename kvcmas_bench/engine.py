@@ -194,6 +194,32 @@ class _PrefillState:
     #: with fidelity: the full dense prefill of the prompt (:class:`~kvcmas_bench.fidelity.DenseReference`)
     reference_kv: object = None
 
+    def counts(self) -> dict:
+        """The request result's token counts, segment records and materialized segments."""
+        return {
+            "prefilled_tokens": self.prefilled,
+            "reused_tokens": self.reused,
+            "reference_tokens": self.reference,
+            "recomputed_token_layers": self.recomputed,
+            "eligible_tokens": self.eligible,
+            "segments": self.records,
+            "materialized": self.materialized,
+        }
+
+    def add_segment(self, kv: SegmentKV, ctx: SegmentContext, eligible: bool) -> int:
+        """Count one materialized PH segment: its cache, its deferred work, the tokens it prefilled,
+        read as reference, recomputed, was eligible for and reused; returns the reused tokens."""
+        S = len(ctx.segment.ids)
+        self.materialized[ctx.segment.slot] = kv
+        self.deferred.extend(ctx.deferred)
+        self.prefilled += ctx.prefilled
+        self.reference += ctx.reference_tokens
+        self.recomputed += ctx.recomputed_token_layers
+        reused = S - ctx.prefilled if kv.status != "exact" else 0
+        self.eligible += S if eligible else 0
+        self.reused += reused
+        return reused
+
 
 class SegmentContext:
     """What a method sees and may ask of the engine while materializing one PH segment."""
@@ -331,6 +357,52 @@ class SegmentContext:
         self.write(kv)
         self.forward(self.embed(), range(self.length), [0])
         return self.current(kv.status)
+
+
+def _prompt_length(request: Request) -> int:
+    """The prompt's token count; a request must end with a non-empty PF segment."""
+    segs = request.segments
+    if not segs or segs[-1].kind != "PF" or not segs[-1].ids:
+        raise ValueError("a request must end with a non-empty PF segment")
+    return sum(len(s.ids) for s in segs)
+
+
+def _first_token_fidelity(reference_kv, logits: torch.Tensor) -> dict:
+    """With fidelity: the first token's logits and their agreement with the dense reference's."""
+    from .fidelity import request_fidelity
+
+    fid = request_fidelity(reference_kv.logits, logits)
+    return {"first_logits": logits.detach().cpu(), "fidelity": fid}
+
+
+def _ph_record(ctx: SegmentContext, kv: SegmentKV, eligible: bool, reused: int, took: float) -> SegmentRecord:
+    """The record of one materialized PH segment."""
+    src = ctx.source
+    return SegmentRecord(
+        kind="PH",
+        slot=ctx.segment.slot,
+        tokens=len(ctx.segment.ids),
+        status=kv.status,
+        source_agent=src.agent if src is not None else None,
+        source_node=src.node if src is not None else None,
+        eligible=eligible,
+        reused_tokens=reused,
+        prefilled_tokens=ctx.prefilled,
+        reference_tokens=ctx.reference_tokens,
+        recomputed_token_layers=ctx.recomputed_token_layers,
+        materialize_s=took,
+        details=dict(ctx.details),
+    )
+
+
+def _add_errors(rec: SegmentRecord, kv: SegmentKV, exact: SegmentKV, reference_rows) -> None:
+    """With fidelity: the segment's errors against the full dense prefill's rows (``kv_rel_error``,
+    ...) and against its dense prefill over the cache as built (``local_kv_rel_error``)."""
+    from .fidelity import kv_error, segment_errors
+
+    for k, v in segment_errors(kv, *reference_rows).items():
+        setattr(rec, k, v)
+    rec.local_kv_rel_error = kv_error(kv.k, kv.v, exact.k, exact.v)
 
 
 class Engine:
@@ -497,10 +569,7 @@ class Engine:
         runs right after it, and the fidelity reference prefill. E2E includes both the deferred
         work and decode.
         """
-        segs = request.segments
-        if not segs or segs[-1].kind != "PF" or not segs[-1].ids:
-            raise ValueError("a request must end with a non-empty PF segment")
-        prompt_len = sum(len(s.ids) for s in segs)
+        prompt_len = _prompt_length(request)
         cache = self.new_cache(prompt_len + request.max_new_tokens + 1)
         st = _PrefillState()
         if fidelity:  # the full dense prefill every segment and the first token are compared with
@@ -511,40 +580,33 @@ class Engine:
         h = self._prefill(request, method, sources or {}, cache, st, fidelity)
         logits = self.logits(h[:, -1:])[0, -1]
         ttft = self.now() - t0 - st.excluded
-        td = self.now()
-        for fn in st.deferred:
-            fn()
-        deferred_s = self.now() - td
+        deferred_s = self._run_deferred(st)
         first = int(logits.argmax())
         out, output_kv = self._decode(cache, request, method, first, prompt_len, keep_output_kv)
         e2e = self.now() - t0 - st.excluded
-        fid = None
-        if fidelity:
-            from .fidelity import request_fidelity
-
-            fid = request_fidelity(st.reference_kv.logits, logits)
+        fid = _first_token_fidelity(st.reference_kv, logits) if fidelity else {}
         return RequestResult(
             agent=request.agent,
             output_ids=out,
             ttft_s=ttft,
             e2e_s=e2e,
             prompt_tokens=prompt_len,
-            prefilled_tokens=st.prefilled,
-            reused_tokens=st.reused,
-            reference_tokens=st.reference,
-            recomputed_token_layers=st.recomputed,
-            eligible_tokens=st.eligible,
-            segments=st.records,
-            materialized=st.materialized,
+            **st.counts(),
             output_kv=output_kv,
             kv_bytes=cache.nbytes_used,
             peak_rss_bytes=self.peak_rss(),
             device_peak_bytes=self.device_peak(),
             first_token=first,
             deferred_s=deferred_s,
-            first_logits=logits.detach().cpu() if fidelity else None,
-            fidelity=fid,
+            **fid,
         )
+
+    def _run_deferred(self, st: _PrefillState) -> float:
+        """The work the method deferred past the first token (anchor construction); its seconds."""
+        td = self.now()
+        for fn in st.deferred:
+            fn()
+        return self.now() - td
 
     def _prefill(
         self, request: Request, method, sources: dict[str, SegmentKV], cache: KVCache, st: _PrefillState, fidelity: bool
@@ -579,13 +641,7 @@ class Engine:
         with the full dense prefill's rows (``kv_rel_error``, ...) and with a dense prefill of the
         segment over the cache as built so far (``local_kv_rel_error``)."""
         S = len(seg.ids)
-        exact = None
-        if fidelity:
-            tf = self.now()
-            exact, _ = self.prefill(cache, seg.ids, pos, agent=request.agent, embeds=seg.embeds)
-            cache.k[:, :, pos : pos + S] = 0
-            cache.v[:, :, pos : pos + S] = 0
-            st.excluded += self.now() - tf
+        exact = self._dense_segment(request, seg, pos, cache, st) if fidelity else None
         ctx = SegmentContext(self, cache, request, seg, pos, sources.get(seg.slot))
         eligible = bool(method.eligible(ctx.source is not None))  # fixed before the method runs
         t0 = self.now()
@@ -595,36 +651,21 @@ class Engine:
             raise RuntimeError(f"method returned a segment of {kv.length} rows at {kv.start}, expected {S} at {pos}")
         kv.slot, kv.agent, kv.node = seg.slot, request.agent, request.node
         cache.write(kv)
-        st.materialized[seg.slot] = kv
-        st.deferred.extend(ctx.deferred)
-        st.prefilled += ctx.prefilled
-        st.reference += ctx.reference_tokens
-        st.recomputed += ctx.recomputed_token_layers
-        reused = S - ctx.prefilled if kv.status != "exact" else 0
-        st.eligible += S if eligible else 0
-        st.reused += reused
-        rec = SegmentRecord(
-            kind="PH",
-            slot=seg.slot,
-            tokens=S,
-            status=kv.status,
-            source_agent=ctx.source.agent if ctx.source is not None else None,
-            source_node=ctx.source.node if ctx.source is not None else None,
-            eligible=eligible,
-            reused_tokens=reused,
-            prefilled_tokens=ctx.prefilled,
-            reference_tokens=ctx.reference_tokens,
-            recomputed_token_layers=ctx.recomputed_token_layers,
-            materialize_s=took,
-            details=dict(ctx.details),
-        )
+        reused = st.add_segment(kv, ctx, eligible)
+        rec = _ph_record(ctx, kv, eligible, reused, took)
         if exact is not None:
-            from .fidelity import kv_error, segment_errors
-
-            for k, v in segment_errors(kv, *st.reference_kv.rows(pos, S)).items():
-                setattr(rec, k, v)
-            rec.local_kv_rel_error = kv_error(kv.k, kv.v, exact.k, exact.v)
+            _add_errors(rec, kv, exact, st.reference_kv.rows(pos, S))
         return rec
+
+    def _dense_segment(self, request: Request, seg: Segment, pos: int, cache: KVCache, st: _PrefillState) -> SegmentKV:
+        """With fidelity: the segment prefilled densely over the cache as built so far, its rows then
+        cleared for the method; the time it takes is excluded from TTFT and E2E."""
+        tf = self.now()
+        exact, _ = self.prefill(cache, seg.ids, pos, agent=request.agent, embeds=seg.embeds)
+        cache.k[:, :, pos : pos + len(seg.ids)] = 0
+        cache.v[:, :, pos : pos + len(seg.ids)] = 0
+        st.excluded += self.now() - tf
+        return exact
 
     def _decode(
         self, cache: KVCache, request: Request, method, token: int, prompt_len: int, keep_output_kv: bool

@@ -22,14 +22,6 @@ from .modeling_vlm import VisualInput, VisualProcessor, encode_visual
 from .workflow import _MARK, Node, SharedRef, UnitRun, Workflow, execute, out_slot, render_segments
 from .workloads.base import Sample
 
-
-def visual_segment(visual: VisualInput, source: str | None = None) -> Segment:
-    """The PH segment of a sample's visual tokens (slot = "image" or "video")."""
-    return Segment(
-        "PH", list(visual.ids), slot=visual.kind, source=source, embeds=visual.embeds, content_key=visual.key
-    )
-
-
 # ---- rendering ---------------------------------------------------------------------------------
 
 

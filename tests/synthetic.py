@@ -176,7 +176,7 @@ def make_matrix(root: Path) -> dict[str, Path]:
     return runs
 
 
-def make_sweep(path: Path, saturated_util: float = 17.0) -> Path:
+def make_sweep(path: Path) -> Path:
     """A serve-sweep directory with NonShared and KVCMAS at QPS 0, 0.25 and 8 (8: saturated)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -304,7 +304,7 @@ def test_a_method_and_workload_defined_here_reach_table1_and_the_figures(tmp_pat
 
 
 def test_one_message_for_an_unknown_name_in_every_registry():
-    for get, kind in ((get_method, "method"), (get_workload, "workload"), (get_backend, "--engine")):
+    for get, kind in ((get_method, "method"), (get_workload, "workload"), (get_backend, "engine")):
         with pytest.raises(BenchError, match=rf"^unknown {kind} 'nope'; use one of "):
             get("nope")
     with pytest.raises(BenchError, match="use one of .*kvcmas, kvcmas-nonchained, kvcomm"):

@@ -1,4 +1,4 @@
-"""The helpers issue 20's refactor introduced: one percentile/median definition, one layout
+"""The helpers issue 20's refactor introduced: one percentile definition (p50 included), one layout
 average, the ablation's gated segments read through the run readers, the serve-sweep's support
 checks, the trace lengths and the sandbox's verdict handling."""
 
@@ -15,25 +15,27 @@ import pandas as pd
 import pytest
 
 from kvcmas_bench.errors import BenchError
+from kvcmas_bench.results import stats
 from kvcmas_bench.results.request import RequestRecord, SegmentRecord
-from kvcmas_bench.results.stats import median, percentile, percentile_rank
+from kvcmas_bench.results.stats import percentile, percentile_rank
 from kvcmas_bench.results.summary import flat_frame, run_figures
 
 
 # ---- percentiles -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 10, 51])
-def test_percentile_and_median_equal_numpy_and_pandas(n):
+def test_percentile_equals_numpy_and_pandas(n):
     a = np.random.default_rng(n).lognormal(-2, 1, n)
     s = pd.Series(a)
     for q in (10, 50, 90, 99):
         assert percentile(list(a), q) == float(np.percentile(a, q))
     assert percentile(s, 90) == float(s.quantile(0.9))
-    assert median(a) == float(s.median()) == float(np.median(a))
+    assert percentile(s, 50) == float(s.quantile(0.5))
 
 
-def test_percentile_and_median_of_nothing_are_none():
-    assert percentile([], 50) is None and median([]) is None
-    assert median(pd.Series([], dtype=float)) is None
+def test_percentile_of_nothing_is_none_and_there_is_no_second_median():
+    assert percentile([], 50) is None
+    assert percentile(pd.Series([], dtype=float), 50) is None
+    assert not hasattr(stats, "median")  # every p50 is percentile(values, 50)
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8, 33])
@@ -52,7 +54,7 @@ def test_percentile_rank_keeps_the_sweeps_arithmetic():
             assert percentile_rank(n, q) == (int(np.floor(h)), min(int(np.floor(h)) + 1, n - 1), h - int(np.floor(h)))
 
 
-def test_run_figures_percentiles_are_the_pandas_ones():
+def test_run_figures_percentiles_are_the_one_percentile():
     rng = np.random.default_rng(3)
     ttft = list(rng.lognormal(-2, 1, 24))
     recs = [RequestRecord("a", t, 2 * t, sample_id=f"s{i // 2}", step=i % 2, layers=1) for i, t in enumerate(ttft)]
@@ -61,8 +63,8 @@ def test_run_figures_percentiles_are_the_pandas_ones():
     samples.loc[3, "latency_s"] = math.nan
     out = run_figures(samples, flat_frame(recs))
     s = pd.Series(ttft)
-    assert out["ttft_s_p50"] == float(s.median()) and out["ttft_s_p90"] == float(s.quantile(0.9))
-    assert out["latency_s_p50"] == float(samples["latency_s"].dropna().median())
+    assert out["ttft_s_p50"] == float(np.percentile(ttft, 50)) and out["ttft_s_p90"] == float(s.quantile(0.9))
+    assert out["latency_s_p50"] == float(np.percentile(samples["latency_s"].dropna(), 50))
 
 
 # ---- layouts ---------------------------------------------------------------------------------------

@@ -325,6 +325,27 @@ def test_saturated_points_are_flagged_with_the_qps_nonshared_sustains(tmp_path, 
     assert (tmp_path / "s" / "ttft_p50.svg").exists()
 
 
+def test_a_sweep_written_with_the_old_backend_key_resumes_and_another_engine_is_refused(tmp_path, tiny_lm):
+    out = tmp_path / "old"
+    said = []
+    kw = dict(model=tiny_lm, output_tokens=2, device="cpu", texts=TEXTS, console=quiet(), plots=False)
+    first = serve_sweep(["nonshared"], [0], [24], 1, str(out), progress=lambda m: None, **kw)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    assert cfg["engine"] == "in-process" and "backend" not in cfg and first["engine"] == "in-process"
+    # a directory written before the config key was named engine
+    old = {("backend" if k == "engine" else k): v for k, v in cfg.items()}
+    cfg_path.write_text(json.dumps(old))
+    again = serve_sweep(["nonshared"], [0], [24], 1, str(out), progress=said.append, **kw)
+    assert "nonshared @ 24 shared tokens: reusing saved measurements" in said
+    assert again["rows"][0]["service_e2e_mean_s"] == first["rows"][0]["service_e2e_mean_s"]
+    assert again["engine"] == "in-process" and json.loads(cfg_path.read_text())["engine"] == "in-process"
+    # measured on another engine: refused, whichever key names it
+    cfg_path.write_text(json.dumps({**old, "backend": "vllm"}))
+    with pytest.raises(BenchError, match=r"different engine \('vllm' vs 'in-process'\)"):
+        serve_sweep(["nonshared"], [0], [24], 1, str(out), progress=lambda m: None, **kw)
+
+
 def test_chained_plot_and_input_errors(tmp_path, tiny_lm):
     kw = dict(model=tiny_lm, output_tokens=2, device="cpu", texts=TEXTS, console=quiet(), progress=lambda m: None)
     s = serve_sweep(["kvcmas", "kvcmas-nonchained"], [0, 1.0], [24], 1, str(tmp_path / "c"), **kw)
@@ -344,6 +365,9 @@ def test_chained_plot_and_input_errors(tmp_path, tiny_lm):
         serve_sweep(["nonshared"], [0], [4090], 1, str(tmp_path / "e"), **kw)
     with pytest.raises(BenchError, match="trajectories"):
         serve_sweep(["nonshared"], [0], [16], 0, str(tmp_path / "e"), **kw)
+    with pytest.raises(BenchError, match="--warmup-trajectories must be >= 0, got -1"):
+        serve_sweep(["nonshared"], [0], [16], 1, str(tmp_path / "e"), warmup_trajectories=-1, **kw)
+    assert not (tmp_path / "e").exists()
 
 
 def test_request_record_roundtrip():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import fields
 
 import pytest
 import torch
@@ -256,6 +257,35 @@ def test_recomputation_methods_are_refused_on_vllm_before_anything_loads(tmp_pat
     assert "takes no --engine-arg" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("engine", ["vllm", "vllm-inprocess"])
+def test_engine_options_of_both_vllm_engines_parse_through_one_parser(engine):
+    """``--engine-arg`` values are converted to their field's type and checked the same way for the
+    served deployment (ServerOptions) and the in-process engine (VLLMOptions); no vLLM needed."""
+    from kvcmas_bench.errors import BenchError
+    from kvcmas_bench.serving.vllm.backend import VLLMOptions
+    from kvcmas_bench.serving.vllm.http import ServerOptions
+
+    cls = ServerOptions if engine == "vllm" else VLLMOptions
+    opts = cls.parse({"block-size": "64", "max_model_len": "none", "prefix_caching": "yes", "kv_cache_gib": 2})
+    assert (opts.block_size, opts.max_model_len, opts.prefix_caching, opts.kv_cache_gib) == (64, None, True, 2)
+    assert cls.parse({"gpu_memory_utilization": "0.7"}).gpu_memory_utilization == 0.7
+    known = ", ".join(f.name for f in fields(cls))
+    for options, message in (
+        ({"nope": "1"}, f"unknown --engine-arg 'nope' for --engine vllm; known: {known}"),
+        ({"kv_cache_gib": "0"}, "--engine-arg kv_cache_gib must be a positive integer, got 0"),
+        ({"max_num_seqs": 0}, "--engine-arg max_num_seqs must be a positive integer, got 0"),
+        ({"gpu_memory_utilization": "1.5"}, "--engine-arg gpu_memory_utilization must lie in (0, 1], got 1.5"),
+        ({"block_size": "x"}, "--engine-arg block_size='x' is not a valid int | None"),
+        ({"prefix_caching": "maybe"}, "--engine-arg prefix_caching='maybe' is not a valid bool"),
+    ):
+        with pytest.raises(BenchError) as err:
+            cls.parse(options)
+        assert str(err.value) == message
+    if cls is ServerOptions:  # string fields keep the text as given
+        got = cls.parse({"base_url": "http://h:1", "extra_args": "--Foo 1", "budget_gib": "2.5"})
+        assert (got.base_url, got.extra_args, got.budget_gib) == ("http://h:1", "--Foo 1", 2.5)
+
+
 @pytest.mark.skipif(available(), reason="vLLM is installed: the install hint is not shown")
 def test_missing_vllm_is_one_line_with_the_install_hint(tmp_path, capsys):
     assert run_cli(["serve-sweep", "--engine", "vllm", "--method", "nonshared", "-o", str(tmp_path / "x")]) == 2
@@ -485,7 +515,7 @@ def test_serve_sweep_on_vllm_writes_records_summary_and_plots_naming_the_engine(
     assert run_cli(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     config = json.loads((out / "config.json").read_text())
-    assert summary["engine"] == "vllm-inprocess" and config["backend"] == "vllm-inprocess"
+    assert summary["engine"] == "vllm-inprocess" and config["engine"] == "vllm-inprocess"
     assert config["backend_config"]["name"] == "vllm-inprocess" and "vLLM" in config["backend_config"]["engine"]
     assert len(summary["rows"]) == 5 * 2 and (out / "ttft_p50.png").exists()
     reqs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]

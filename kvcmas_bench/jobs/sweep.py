@@ -62,7 +62,7 @@ MEASURE_KEYS = (
     "model",
     "dtype",
     "device",
-    "backend",
+    "engine",
     "method_args",
     "matched_rho",
     "traces_sha256",
@@ -155,7 +155,9 @@ def validate(
     output_tokens: int,
     calib_trajectories: int,
     from_file: bool,
+    warmup_trajectories: int = 0,
 ) -> tuple[list[str], list[float]]:
+    """Check the sweep's options before anything loads; the method names and the sorted QPS values."""
     names = expand_methods(methods)
     if not qps:
         raise BenchError("no QPS values given (0 = single stream)")
@@ -173,6 +175,8 @@ def validate(
         raise BenchError(f"--output-tokens must be a positive integer, got {output_tokens}")
     if calib_trajectories < 0:
         raise BenchError(f"calibration trajectories must be >= 0, got {calib_trajectories}")
+    if warmup_trajectories < 0:
+        raise BenchError(f"--warmup-trajectories must be >= 0, got {warmup_trajectories}")
     return names, sorted({float(q) for q in qps})
 
 
@@ -325,7 +329,7 @@ def sweep_config(
         "model_source": backend.model_source,
         "dtype": dtype,
         "device": device,
-        "backend": backend.name,
+        "engine": backend.name,
         "method_args": method_args,
         "ignore_eos": ignore_eos,
         "warmup": warmup,
@@ -417,7 +421,7 @@ def serve_sweep(
     """
     from rich.console import Console
 
-    names, qps_list = _check_inputs(
+    names, qps_list = validate(
         methods,
         qps,
         shared_tokens,
@@ -425,7 +429,7 @@ def serve_sweep(
         burstiness,
         output_tokens,
         calib_trajectories,
-        traces_path,
+        traces_path is not None,
         warmup_trajectories,
     )
     engine_name = backend if isinstance(backend, str) else ("in-process" if backend is None else backend.name)
@@ -467,33 +471,6 @@ def serve_sweep(
         timelines = serve_all(sweep, backend, saved, config, out_dir / "service.jsonl", say)
         _write_config(out_dir, config, backend)
         return finish(out_dir, config, timelines, plots, console if show_table else None)
-
-
-def _check_inputs(
-    methods: Sequence[str],
-    qps: Sequence[float],
-    shared_tokens: Sequence[int],
-    num_trajectories: int,
-    burstiness: float,
-    output_tokens: int,
-    calib_trajectories: int,
-    traces_path: str | None,
-    warmup_trajectories: int,
-) -> tuple[list[str], list[float]]:
-    """:func:`validate` and the options only a served sweep has: method names and sorted QPS values."""
-    names, qps_list = validate(
-        methods,
-        qps,
-        shared_tokens,
-        num_trajectories,
-        burstiness,
-        output_tokens,
-        calib_trajectories,
-        traces_path is not None,
-    )
-    if warmup_trajectories < 0:
-        raise BenchError(f"--warmup-trajectories must be >= 0, got {warmup_trajectories}")
-    return names, qps_list
 
 
 def _method_specs(
@@ -719,7 +696,7 @@ def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, con
     mark_saturation(rows)
     summary = {
         "server": config.get("server"),
-        "engine": config.get("backend"),
+        "engine": config.get("engine"),
         "qps_unit": QPS_UNIT,
         "qps": list(config["qps"]),
         "burstiness": config["burstiness"],
@@ -803,6 +780,8 @@ def _read_config(path: Path) -> dict:
         raise BenchError(f"{path} is not valid JSON; use another --output-path") from None
     if not isinstance(config, dict):
         raise BenchError(f"{path} is not a serve-sweep configuration; use another --output-path")
+    if "engine" not in config and "backend" in config:  # written before the key was named engine
+        config["engine"] = config.pop("backend")
     return config
 
 

@@ -122,6 +122,17 @@ def read_run_files(samples_path: Path, requests_path: Path, steps: int | None = 
     dropped lines); rows are (line number, raw bytes, object).
     """
     samples, torn_s = read_jsonl_objects(samples_path, corrupt)
+    done = _finished_samples(samples, samples_path, corrupt)
+    lines, torn_r = read_jsonl_objects(requests_path, corrupt)
+    kept, records = _finished_requests(lines, done, requests_path, samples_path, corrupt)
+    _check_steps(records, done, steps, samples_path, requests_path, corrupt)
+    rewrite = torn_s or torn_r or len(kept) != len(lines)
+    return samples, kept, records, rewrite
+
+
+def _finished_samples(samples: list, samples_path: Path, corrupt: Corrupt) -> dict[str, int]:
+    """Sample id -> line number of every sample line; refuses a line that is not a sample record
+    and a sample written twice."""
     done: dict[str, int] = {}
     for n, _, s in samples:
         sid = s.get("sample_id")
@@ -130,7 +141,14 @@ def read_run_files(samples_path: Path, requests_path: Path, steps: int | None = 
         if sid in done:
             raise corrupt(samples_path, n, f"repeats sample {sid!r} of line {done[sid]} (two runs wrote at once?)")
         done[sid] = n
-    lines, torn_r = read_jsonl_objects(requests_path, corrupt)
+    return done
+
+
+def _finished_requests(
+    lines: list, done: dict[str, int], requests_path: Path, samples_path: Path, corrupt: Corrupt
+) -> tuple[list, list[RequestRecord]]:
+    """The request lines of finished samples, as rows and as records; the lines of the one
+    unfinished sample at the end are dropped, any other line of no finished sample refused."""
     kept, records, seen = [], [], {}
     orphan: tuple[int, object] | None = None  # first line of the unfinished sample and its id
     for n, line, r in lines:
@@ -153,12 +171,7 @@ def read_run_files(samples_path: Path, requests_path: Path, steps: int | None = 
                 f"belongs to sample {orphan[1]!r}, which has no line in {samples_path.name}, "
                 "but finished samples follow it",
             )
-        try:
-            rec = RequestRecord.from_dict(r)
-            if rec.step is not None and (not isinstance(rec.step, int) or isinstance(rec.step, bool)):
-                raise ValueError(f"step {rec.step!r} is not an integer")
-        except (ValueError, TypeError, AttributeError, KeyError) as exc:
-            raise corrupt(requests_path, n, f"is not a valid request record ({str(exc)[:200]})") from None
+        rec = _request_record(r, n, requests_path, corrupt)
         key = (rec.sample_id, rec.step)
         if rec.step is not None and key in seen:
             raise corrupt(
@@ -167,6 +180,30 @@ def read_run_files(samples_path: Path, requests_path: Path, steps: int | None = 
         seen[key] = n
         kept.append((n, line, r))
         records.append(rec)
+    return kept, records
+
+
+def _request_record(r: dict, n: int, requests_path: Path, corrupt: Corrupt) -> RequestRecord:
+    """Line ``n`` as a ``RequestRecord`` with an integer (or no) step, else ``corrupt(...)``."""
+    try:
+        rec = RequestRecord.from_dict(r)
+        if rec.step is not None and (not isinstance(rec.step, int) or isinstance(rec.step, bool)):
+            raise ValueError(f"step {rec.step!r} is not an integer")
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        raise corrupt(requests_path, n, f"is not a valid request record ({str(exc)[:200]})") from None
+    return rec
+
+
+def _check_steps(
+    records: list[RequestRecord],
+    done: dict[str, int],
+    steps: int | None,
+    samples_path: Path,
+    requests_path: Path,
+    corrupt: Corrupt,
+) -> None:
+    """Every finished sample has its request steps: ``steps`` of them (0..steps-1) when given, else
+    0..k-1 without gaps."""
     got_steps: dict[str, list] = {}
     for rec in records:
         got_steps.setdefault(rec.sample_id, []).append(rec.step)
@@ -177,8 +214,6 @@ def read_run_files(samples_path: Path, requests_path: Path, steps: int | None = 
             bad = steps is not None and not set(got) <= set(want)
             what = f"are not its {steps} steps 0..{steps - 1}" if bad else "are incomplete"
             raise corrupt(samples_path, n, f"is sample {sid!r}, whose request lines in {requests_path.name} {what}")
-    rewrite = torn_s or torn_r or len(kept) != len(lines)
-    return samples, kept, records, rewrite
 
 
 def check_run_dir(path: str | Path) -> None:

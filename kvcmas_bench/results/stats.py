@@ -2,12 +2,10 @@
 same samples: the one definition of each, pure functions (no pandas).
 
 - :func:`percentile`: linear interpolation between the closest ranks (numpy's and pandas'
-  default): the p90 of a run's ``summary.json``, the pXX of the serve-sweep rows and the
+  default): every pXX, the p50 included (``percentile(values, 50)``, the one median): the ``_p50``
+  and ``_p90`` figures of a run's ``summary.json``, the pXX of the serve-sweep rows and the
   accounting distributions; :func:`percentile_rank`: its ranks and weight, for figures that follow
   the same interpolation (the serve-sweep's TTFT parts).
-- :func:`median`: numpy's (and pandas') median, the mean of the two middle values: the ``_p50``
-  figures of a run's ``summary.json``. ``percentile(values, 50)`` (the serve-sweep's p50) can
-  differ from it in the last bit, as numpy's interpolation rounds differently.
 - :func:`binomial_se`: the standard error of a proportion ``k/n`` as sqrt(p (1 - p) / n) (divisor
   ``n``, the maximum-likelihood form; 0 at p = 0 or 1).
 - :func:`wilson_interval`: the Wilson score interval (95% by default), which stays inside [0, 1]
@@ -33,13 +31,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     if len(values) == 0:
         return None
     return float(np.percentile(np.asarray(values, dtype=float), q))
-
-
-def median(values: Sequence[float]) -> float | None:
-    """``numpy.median`` of ``values`` (what pandas' ``Series.median`` returns); None when empty."""
-    if len(values) == 0:
-        return None
-    return float(np.median(np.asarray(values, dtype=float)))
 
 
 def percentile_rank(n: int, q: float) -> tuple[int, int, float]:

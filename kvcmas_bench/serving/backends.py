@@ -70,8 +70,8 @@ class Backend(Protocol):
     def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult: ...
 
 
-#: name -> backend factory, filled by :func:`register_backend`
-BACKENDS: Registry[Callable[..., Backend]] = Registry("--engine")
+#: engine name (a ``serve-sweep --engine`` value) -> backend factory, filled by :func:`register_backend`
+BACKENDS: Registry[Callable[..., Backend]] = Registry("engine")
 #: backend name -> ``why_not(method_class) -> str | None``: methods the engine cannot run
 BACKEND_LIMITS: dict[str, Callable[[type[Method]], str | None]] = {}
 

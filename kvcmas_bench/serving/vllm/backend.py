@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,6 +27,7 @@ from ..traces import Trace
 from . import why_not
 from .client import Client, Event, fetch_kv
 from .flow import EngineRequest, ModelFacts, Runtime, TrajectoryRun
+from .options import parse_engine_options
 
 CONNECTOR_MODULE = "kvcmas_bench.serving.vllm.connector"
 CONNECTOR_CLASS = "KVCMASConnector"
@@ -58,42 +59,8 @@ class VLLMOptions:
 
     @classmethod
     def parse(cls, options: dict) -> VLLMOptions:
-        known = {f.name: f for f in fields(cls)}
-        out = {}
-        for key, value in options.items():
-            key = key.replace("-", "_")
-            if key not in known:
-                raise BenchError(f"unknown --engine-arg {key!r} for --engine vllm; known: {', '.join(known)}")
-            out[key] = _convert(key, value, known[key].type)
-        opts = cls(**out)
-        opts.check()
-        return opts
-
-    def check(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_gib"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise BenchError(f"--engine-arg {name} must be a positive integer, got {v}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise BenchError(
-                f"--engine-arg gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}"
-            )
-
-
-def _convert(key: str, value, typ: str):
-    if not isinstance(value, str):
-        return value
-    text = value.strip().lower()
-    try:
-        if "bool" in typ:
-            if text in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return text in ("1", "true", "yes", "on")
-            raise ValueError
-        if "None" in typ and text in ("none", "null"):
-            return None
-        return float(text) if "float" in typ else int(text)
-    except ValueError:
-        raise BenchError(f"--engine-arg {key}={value!r} is not a valid {typ}") from None
+        """Converted and checked ``--engine-arg`` values (:func:`~.options.parse_engine_options`)."""
+        return parse_engine_options(cls, options)
 
 
 def _resolve_model(spec: str | None) -> tuple[str, str]:

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -37,6 +37,7 @@ from ...results.request import RequestRecord
 from ..backends import Schedules, ServeResult
 from ..traces import Trace
 from .backend import ServedModel
+from .options import parse_engine_options
 from .worker import agent_params, capture_params, report_params
 
 CONNECTOR_MODULE = "kvcmas_bench.serving.vllm.connector"
@@ -85,33 +86,8 @@ class ServerOptions:
 
     @classmethod
     def parse(cls, options: dict) -> ServerOptions:
-        from .backend import _convert
-
-        known = {f.name: f for f in fields(cls)}
-        out = {}
-        for key, value in options.items():
-            key = key.replace("-", "_")
-            if key not in known:
-                raise BenchError(f"unknown --engine-arg {key!r} for --engine vllm; known: {', '.join(known)}")
-            typ = known[key].type
-            out[key] = value if "str" in typ and isinstance(value, str) else _convert(key, value, typ)
-        opts = cls(**out)
-        for name in (
-            "block_size",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "kv_cache_gib",
-            "tensor_parallel_size",
-        ):
-            v = getattr(opts, name)
-            if v is not None and v < 1:
-                raise BenchError(f"--engine-arg {name} must be a positive integer, got {v}")
-        if not 0 < opts.gpu_memory_utilization <= 1:
-            raise BenchError(
-                f"--engine-arg gpu_memory_utilization must lie in (0, 1], got {opts.gpu_memory_utilization}"
-            )
-        return opts
+        """Converted and checked ``--engine-arg`` values (:func:`~.options.parse_engine_options`)."""
+        return parse_engine_options(cls, options)
 
 
 def kv_transfer_config(budget_gib: float | None = None) -> dict:
