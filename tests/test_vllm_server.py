@@ -138,6 +138,39 @@ def test_worker_plans_off_the_engine_thread_and_answers_when_ready():
         METHODS.pop("slow-test-method", None)
 
 
+def test_nonshared_requests_are_never_held_for_a_plan():
+    """NonShared has nothing to plan: the scheduler side does not wait for it (no claim is published
+    for it), and the worker still writes its all-exact record when it finishes."""
+    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.serving.vllm.flow import ModelFacts
+    from kvcmas_bench.serving.vllm.worker import (
+        WorkerRuntime,
+        agent_params,
+        capture_params,
+        report_params,
+        waits_for_plan,
+    )
+
+    req = Request("A", [Segment("PF", [1, 2, 3]), Segment("PH", [4, 5, 6, 7], slot="ctx")], 2, node="A")
+    meta = {m: agent_params("s", m, {}, "t", 0, req, [], "k1", last=True)["kvcmas"] for m in ("nonshared", "kvcmas")}
+    assert not waits_for_plan(meta["nonshared"]) and waits_for_plan(meta["kvcmas"])
+    assert not waits_for_plan(capture_params("s", "system")["kvcmas"])
+    assert not waits_for_plan(report_params("s")["kvcmas"])
+    facts = ModelFacts(torch.ones(4), 2, 1, 8, torch.float32, "cpu", keep_ready=True)
+    rt = WorkerRuntime(facts, set())
+    rt.new_request("r1", meta["nonshared"], req.prompt_ids)
+    assert rt.plan_of("r1") is None  # nothing to inject or capture, before and after planning
+    rt.drain()
+    assert rt.plan_of("r1") is None and rt.take_answers() == ({}, {}, {})
+    rt.finished("r1", [11, 12, 13])
+    rt.new_request("rep", report_params("s")["kvcmas"], [1])
+    rt.drain()
+    _, answers, _ = rt.take_answers()
+    recs = [r for r in answers["rep"] if "kvcmas_key" in r]
+    assert len(recs) == 1 and recs[0]["output_tokens"] == 2 and recs[0]["prefilled_tokens"] == len(req.prompt_ids)
+    assert all(s["status"] == "exact" for s in recs[0]["segments"])
+
+
 def test_request_metadata_round_trips_into_the_same_request():
     from kvcmas_bench.engine import Request, Segment
     from kvcmas_bench.serving.vllm.worker import agent_params, request_from
@@ -181,6 +214,8 @@ def test_nonshared_first_tokens_and_logprobs_equal_plain_vllm(srv):
     tr = _traces(srv, 1, seed=3)[0]
     recs, lps, _ = _run(srv, tr, _spec("nonshared"))
     assert len(recs) == len(tr.agents)
+    # NonShared goes through vLLM as plain requests: the scheduler never held one back for a plan
+    assert srv.last_session["requests_held_for_plan"] == 0
     for rec in recs:
         assert rec.segments and all(s.status == "exact" for s in rec.segments)
         assert rec.ttft_s > 0 and rec.first_token_s <= rec.completion_s
@@ -216,6 +251,7 @@ def test_kvcmas_with_one_exact_full_rank_anchor_reproduces_nonshared(srv):
     first, _, m = _run(srv, tr, _spec("kvcmas", anchors=1, rank=None))
     assert all(s.status == "exact" for r in first for s in r.segments)  # empty pool: dense, anchors inserted
     again, lps, _ = _run(srv, tr, m)  # the same session: V = 1 bypasses the gate, the exact anchor corrects
+    assert srv.last_session["requests_held_for_plan"] == len(tr.agents)  # each waited for its plan
     statuses = [s.status for r in again[1:] for s in r.segments if s.kind == "PH"]
     assert statuses and all(s == "corrected" for s in statuses)
     assert [r.first_token_id for r in again] == [r.first_token_id for r in ns]

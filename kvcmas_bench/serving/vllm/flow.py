@@ -43,6 +43,12 @@ from .plan import Capture, Plan
 from .tp import HeadShards
 
 
+def plans_nothing(method_cls) -> bool:
+    """Whether ``method_cls`` leaves every shared segment to a dense prefill (NonShared): its requests
+    need no plan, no capture and no source, so they are served as plain requests."""
+    return method_cls.materialize is Method.materialize
+
+
 class NeedKV(Exception):
     """Planning waits for a context-free prefill of ``ids`` (a prefill-only request)."""
 
@@ -224,7 +230,7 @@ class TrajectoryRun:
         trajectory_id: str | None = None,
     ):
         self.rt, self.trace, self.method, self.qps = rt, trace, method, qps
-        self.plain = type(method).materialize is Method.materialize  # NonShared: every segment dense
+        self.plain = plans_nothing(type(method))  # NonShared: every segment dense
         self.capture_outputs = capture_outputs and not self.plain
         #: ``trace`` None: the server side, which gets each agent's node and request from its metadata
         self.nodes = trace_nodes(trace) if trace is not None else []

@@ -500,12 +500,15 @@ class HTTPBackend(ServedModel):
         return sent
 
     def report(self, sess: ClientSession, end: bool = False) -> tuple[dict, dict[str, dict]]:
-        """The worker's records of ``sess`` finished so far, by request key, and its session figures."""
+        """The worker's records of ``sess`` finished so far, by request key, and its session figures
+        (with the scheduler side's: ``requests_held_for_plan``, the requests it held back until
+        their plan was in, since the previous report)."""
         resp = self._request([1], 1, report_params(sess.id, end), salt=self._key())
-        reports = (resp.get("kv_transfer_params") or {}).get("kvcmas_reports")
+        params = resp.get("kv_transfer_params") or {}
+        reports = params.get("kvcmas_reports")
         if reports is None:
             raise BenchError("the vLLM server did not answer the report (is it running KVCMASConnector?)")
-        session = next((r["session"] for r in reports if "session" in r), {})
+        session = {**next((r["session"] for r in reports if "session" in r), {}), **params.get("kvcmas_scheduler", {})}
         return session, {r.pop("kvcmas_key"): r for r in reports if "kvcmas_key" in r}
 
     def _records(self, sess: ClientSession, sent: list[AgentSent], qps) -> list[RequestRecord]:

@@ -15,9 +15,12 @@ Every piece of method work (planning a request: gate, correction, re-alignment; 
 after a dense prefill; chaining and the request's record at its end) runs in one background
 thread, in arrival order, so it never runs inside an engine step: a request whose plan is not
 ready is simply not scheduled yet (``get_num_new_matched_tokens`` answers None), and the other
-requests keep stepping. The plan itself (:class:`~.plan.Plan`: prefix, overrides, captures) is
-executed by the connector exactly as on the in-process engine, through
-:func:`~.flow.TrajectoryRun.plan`, so both engines share the methods' plan code.
+requests keep stepping. Requests of a method with nothing to plan (NonShared,
+:func:`waits_for_plan`) are never held: the scheduler side answers 0 at once, vLLM serves them as
+plain requests, and the worker only writes their records. The plan itself
+(:class:`~.plan.Plan`: prefix, overrides, captures) is executed by the connector exactly as on the
+in-process engine, through :func:`~.flow.TrajectoryRun.plan`, so both engines share the methods'
+plan code.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from ...engine import Request, Segment, SegmentKV
 from ...methods.knobs import method_class
 from ...workflow import Node
 from ...workloads.base import Role
-from .flow import EngineRequest, ModelFacts, NeedKV, Runtime, TrajectoryRun
+from .flow import EngineRequest, ModelFacts, NeedKV, Runtime, TrajectoryRun, plans_nothing
 from .plan import Capture, Plan
 
 PROTOCOL = "kvcmas"
@@ -107,6 +110,19 @@ def params_of(request) -> dict | None:
     return meta if isinstance(meta, dict) and meta.get("v") == VERSION else None
 
 
+def waits_for_plan(meta: dict) -> bool:
+    """Whether the scheduler side holds this request until the worker has planned it: agents of a
+    method that plans (reuses, corrects or captures K/V). NonShared leaves every segment to vLLM, so
+    its requests go through as plain ones (no planning round trip in their TTFT); capture and
+    report requests are not planned either. An unknown method waits (its planning reports it)."""
+    if meta.get("op") != "agent":
+        return False
+    try:
+        return not plans_nothing(method_class(meta["method"]))
+    except Exception:  # noqa: BLE001  (the worker's planning says what is wrong)
+        return True
+
+
 def request_from(meta: dict, prompt: list[int]) -> tuple[Node, Request]:
     """The agent's node and whole request, rebuilt from its metadata and prompt tokens."""
     segs, pos = [], 0
@@ -144,6 +160,8 @@ class Live:
     claim: int = 0
     prompt_done: bool = False
     error: str | None = None
+    #: the scheduler side waits for this request's claim (:func:`waits_for_plan`)
+    waits: bool = True
 
 
 @dataclass
@@ -235,7 +253,7 @@ class WorkerRuntime:
             self.submit(lambda: self._report(req_id, meta))
             return
         with self.lock:
-            self.live[req_id] = Live(meta)
+            self.live[req_id] = Live(meta, waits=waits_for_plan(meta))
         self.submit(lambda: self._plan(req_id, meta, prompt))
 
     def _plan(self, req_id: str, meta: dict, prompt: list[int]) -> None:
@@ -284,7 +302,7 @@ class WorkerRuntime:
         live.session, live.trajectory, live.plan, live.claim, live.error = sess, traj, plan, claim, error
         if self.shards is not None:
             self.shards.barrier()  # every rank's request state is final before the scheduler hears of it
-        if self.publishes:
+        if self.publishes and live.waits:  # nothing to answer for a request that is not held (NonShared)
             with self.lock:
                 self.claims[req_id] = claim
                 if error:
