@@ -171,6 +171,31 @@ def test_nonshared_requests_are_never_held_for_a_plan():
     assert all(s["status"] == "exact" for s in recs[0]["segments"])
 
 
+def test_the_client_and_the_worker_cut_agent_outputs_with_one_definition():
+    """``flow.agent_output``: the first max_new_tokens, cut before EOS unless ignored; the worker's
+    record holds the output the client builds the next prompts from."""
+    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.serving.vllm.flow import ModelFacts, agent_output
+    from kvcmas_bench.serving.vllm.worker import WorkerRuntime, agent_params, report_params
+
+    assert agent_output([5, 6, 7, 8], 3, {7}, ignore_eos=True) == [5, 6, 7]
+    assert agent_output([5, 6, 7, 8], 3, {7}, ignore_eos=False) == [5, 6]
+    assert agent_output([7], 3, {7}, ignore_eos=False) == [] and agent_output([5, 6], 3, {7}, False) == [5, 6]
+    facts = ModelFacts(torch.ones(4), 2, 1, 8, torch.float32, "cpu", keep_ready=True)
+    rt = WorkerRuntime(facts, {12})
+    req = Request("A", [Segment("PF", [1, 2, 3]), Segment("PH", [4, 5, 6, 7], slot="ctx")], 3, node="A")
+    for i, ignore in enumerate((True, False)):
+        meta = agent_params(f"s{i}", "nonshared", {}, "t", 0, req, [], "k", last=True, ignore_eos=ignore)["kvcmas"]
+        rt.new_request(f"r{i}", meta, req.prompt_ids)
+        rt.finished(f"r{i}", [11, 12, 13, 14])
+        rt.new_request(f"rep{i}", report_params(f"s{i}")["kvcmas"], [1])
+    rt.drain()
+    answers = rt.take_answers()[1]
+    for i, ignore in enumerate((True, False)):
+        rec = next(r for r in answers[f"rep{i}"] if "kvcmas_key" in r)
+        assert rec["output_tokens"] == len(agent_output([11, 12, 13, 14], 3, {12}, ignore)) == (3 if ignore else 1)
+
+
 def test_request_metadata_round_trips_into_the_same_request():
     from kvcmas_bench.engine import Request, Segment
     from kvcmas_bench.serving.vllm.worker import agent_params, request_from

@@ -49,6 +49,19 @@ def plans_nothing(method_cls) -> bool:
     return method_cls.materialize is Method.materialize
 
 
+def agent_output(tokens: Iterable[int], max_new_tokens: int, eos_ids: set[int], ignore_eos: bool) -> list[int]:
+    """An agent's output from the tokens vLLM generated for it: the first ``max_new_tokens`` (vLLM
+    decodes one more, so the last output token's K/V exists), cut before the first EOS unless EOS is
+    ignored. The one definition: the worker's record and chaining (:meth:`TrajectoryRun.finished`)
+    and the HTTP client's next prompts both use it."""
+    out = list(tokens)[:max_new_tokens]
+    if not ignore_eos:
+        for i, tok in enumerate(out):
+            if tok in eos_ids:
+                return out[:i]
+    return out
+
+
 class NeedKV(Exception):
     """Planning waits for a context-free prefill of ``ids`` (a prefill-only request)."""
 
@@ -404,13 +417,8 @@ class TrajectoryRun:
         return rec
 
     def _output(self, a: _Agent, tokens: list[int]) -> tuple[list[int], SegmentKV | None]:
-        """The agent's output (``max_new_tokens``, cut at EOS unless ignored) and its captured K/V."""
-        out = list(tokens[: a.request.max_new_tokens])
-        if not self.rt.ignore_eos:
-            for i, tok in enumerate(out):
-                if tok in self.rt.eos_ids:
-                    out = out[:i]
-                    break
+        """The agent's output (:func:`agent_output`) and its captured K/V."""
+        out = agent_output(tokens, a.request.max_new_tokens, self.rt.eos_ids, self.rt.ignore_eos)
         cap = a.output_capture
         if cap is None or not out:
             return out, None

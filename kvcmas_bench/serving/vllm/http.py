@@ -36,7 +36,8 @@ from ...methods import Method, MethodSpec
 from ...results.request import RequestRecord
 from ..backends import Schedules, ServeResult
 from ..traces import Trace
-from .backend import ServedModel
+from .backend import ServedModel, eos_ids
+from .flow import agent_output
 from .options import parse_engine_options
 from .worker import agent_params, capture_params, report_params
 
@@ -313,6 +314,8 @@ class AgentSent:
     arrival_s: float
     streamed: Streamed
     prompt: list[int] = field(default_factory=list)
+    #: the agent's output length as the client cut it (its next agents' prompts hold that output)
+    output_tokens: int | None = None
 
 
 class HTTPBackend(ServedModel):
@@ -328,6 +331,8 @@ class HTTPBackend(ServedModel):
         path, self.model_name = _resolve_model(model)
         self.model_source = path
         self.config, self.tokenizer = load_config_and_tokenizer(path, model)
+        #: the worker's EOS ids (it reads the same config: :func:`~.connector._runtime`)
+        self.eos_ids = eos_ids(self.config)
         self.opts, self.dtype, self.ignore_eos, self.warmup = opts, dtype, ignore_eos, warmup
         self.cpu = device == "cpu" or (device == "auto" and not _has_cuda())
         self.server_proc: Server | None = None
@@ -462,16 +467,11 @@ class HTTPBackend(ServedModel):
             salt = f"{sess.id}-{qps}" + (f"-{key}" if sess.name != "nonshared" else "")
             max_tokens = 1 if stop_first else req.max_new_tokens + 1
             got = self.http.stream(self._body(req.prompt_ids, max_tokens, params, salt), now)
-            toks = got.tokens[: 1 if stop_first else req.max_new_tokens]
-            if not self.ignore_eos:
-                eos = self.config.eos_token_id
-                eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
-                for j, t in enumerate(toks):
-                    if t in eos:
-                        toks = toks[:j]
-                        break
+            # the worker's definition of the output, on the same tokens: what its record and the next
+            # agent's source hold (checked against its record in _records)
+            toks = agent_output(got.tokens, req.max_new_tokens, self.eos_ids, self.ignore_eos)
             outputs[spec.name] = toks
-            out.append(AgentSent(key, trace.id, spec.name, arr, got, list(req.prompt_ids)))
+            out.append(AgentSent(key, trace.id, spec.name, arr, got, list(req.prompt_ids), len(toks)))
 
     def _serve_point(self, sess: ClientSession, traces, arrivals, qps) -> list[AgentSent]:
         sent: list[AgentSent] = []
@@ -521,6 +521,11 @@ class HTTPBackend(ServedModel):
             if "error" in d and "segments" not in d:
                 raise BenchError(f"the vLLM worker could not plan request {s.key}: {d['error']}")
             rec = RequestRecord.from_dict(d)
+            if s.output_tokens is not None and rec.output_tokens != s.output_tokens:
+                raise BenchError(
+                    f"request {s.key}: the vLLM worker recorded {rec.output_tokens} output tokens, the client "
+                    f"sent the next agents {s.output_tokens}"
+                )
             st = s.streamed
             rec.qps, rec.arrival_s, rec.start_s = qps, s.arrival_s, st.sent_s
             rec.first_token_s, rec.completion_s = st.first_s, st.done_s
