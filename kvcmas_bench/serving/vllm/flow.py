@@ -36,7 +36,7 @@ from ...errors import BenchError
 from ...methods.base import Method
 from ...ops.kvmath import shift_keys
 from ...results.request import RequestRecord, SegmentRecord
-from ...workflow import AgentStep, Node, UnitRun, _sources, out_slot, request_records
+from ...workflow import AgentStep, Node, _sources, out_slot, step_record
 from ..backends import trace_nodes
 from ..traces import Trace
 from .plan import Capture, Plan
@@ -405,7 +405,7 @@ class TrajectoryRun:
                 method_stats={k: v - a.before.get(k, 0) for k, v in after.items() if v != a.before.get(k, 0)},
             )
         )
-        rec = request_records(UnitRun(self.id, self.steps), self.rt.facts.n_layers, trajectory=self.id)[-1]
+        rec = step_record(self.steps[-1], len(self.steps) - 1, self.rt.facts.n_layers, trajectory=self.id)
         rec.qps, rec.arrival_s, rec.start_s = self.qps, a.arrival_s, a.start_s
         rec.first_token_s, rec.completion_s = a.first_token_s, t
         rec.queue_s = a.start_s - a.arrival_s
