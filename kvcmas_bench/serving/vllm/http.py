@@ -302,6 +302,8 @@ class ClientSession:
     name: str
     options: dict
     references: bool
+    #: the method's name in the sweep (its records' ``method``)
+    label: str = ""
     sent_refs: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -352,6 +354,10 @@ class HTTPBackend(ServedModel):
         self.max_model_len = opts.max_model_len or int(getattr(self.config, "max_position_embeddings", 4096) or 4096)
         self.system_sent: set = set()
         self.logprobs: int | None = None
+        #: the worker's session figures after each served QPS point (:meth:`serve`), in
+        #: ``describe()["worker_reports"]``, hence in the sweep's ``config.json``
+        self.point_reports: list[dict] = []
+        self.last_session: dict = {}
         self._n = 0
         if warmup:
             self._request([1] * 8, 2, None)
@@ -376,6 +382,7 @@ class HTTPBackend(ServedModel):
             "stop_at_first_token": self.opts.stop_at_first_token,
             "clock": "client wall clock (time.perf_counter); TTFT at the first streamed token",
             "prefix_cache": "salted per method session and QPS point; injected requests salted per request",
+            "worker_reports": self.point_reports,
         }
 
     def close(self) -> None:
@@ -542,7 +549,11 @@ class HTTPBackend(ServedModel):
             raise BenchError(f"--engine vllm cannot run {spec.name}: {reason}")
         m = spec()
         sess = ClientSession(
-            f"{spec.name}-{uuid.uuid4().hex[:8]}", spec.cls.name, dict(spec.kwargs), m.reuse_from == "reference"
+            f"{spec.name}-{uuid.uuid4().hex[:8]}",
+            spec.cls.name,
+            dict(spec.kwargs),
+            m.reuse_from == "reference",
+            label=spec.name,
         )
         m._kvcmas_session = sess  # type: ignore[attr-defined]
         return m, sess
@@ -571,8 +582,17 @@ class HTTPBackend(ServedModel):
         for q, arrivals in schedules.items():
             sent = self._serve_point(sess, traces, None if arrivals is None else list(arrivals), q)
             timelines[q] = self._records(sess, sent, q)
+            self.point_reports.append(point_report(sess.label or sess.name, traces, q, self.last_session))
         self.report(sess, end=True)
         return ServeResult(timelines, None)
+
+
+def point_report(method: str, traces: Sequence[Trace], qps, session: dict) -> dict:
+    """One QPS point's worker figures (scalars of the session report: memory held and its peak, the
+    bytes per trajectory at completion, trajectories still live, requests held for a plan)."""
+    shared = sorted({t.shared_tokens for t in traces})
+    figures = {k: v for k, v in session.items() if v is None or isinstance(v, (int, float))}
+    return {"method": method, "shared_tokens": shared[0] if len(shared) == 1 else shared, "qps": qps, **figures}
 
 
 def why_not_http(method_cls) -> str | None:
