@@ -10,7 +10,11 @@ the harness as HTTP client) at the same factors x *vLLM's*
 single-stream NonShared rate (measured first, NonShared only): the engines differ several-fold in
 speed, so one QPS grid cannot load both. Prints p50/p90 TTFT per engine, method and QPS, and the
 TTFT ratios NonShared / method at the highest QPS NonShared sustains on each engine (in-process:
-utilization < 1; vLLM: trajectories complete as fast as they arrive, drain ratio <= 1.25).
+utilization < 1; vLLM: trajectories complete as fast as they arrive, drain ratio <= 1.25). Then,
+per shared length and method, the vLLM worker's memory over the sweep (from the session report
+after every QPS point, kept in the vLLM sweep's ``config.json``): the peak of the K/V it held, the
+bytes each trajectory held when its last agent finished, and whether every trajectory was freed
+(no live trajectory at any report).
 
 Run it with a Python that has vLLM (``bash scripts/setup.sh --vllm``), one thread per engine
 (torch threads = ``OMP_NUM_THREADS``, default 1):
@@ -21,7 +25,7 @@ Run it with a Python that has vLLM (``bash scripts/setup.sh --vllm``), one threa
 
 Results: ``-o``/``<shared>/in-process`` and ``-o``/``<shared>/vllm`` (ordinary serve-sweep
 directories: config, traces, requests, summary, plots), ``-o``/``comparison.json`` (first keys:
-``command``, ``date``, ``git``, ``machine``; then ``results``) and ``-o``/``command.txt`` (the
+``command``, ``date``, ``git``, ``machine``; then ``results`` and ``worker_memory``) and ``-o``/``command.txt`` (the
 header of every measuring run, appended). The printed output starts with the same header.
 
 ``--repeats N`` (default 1) measures everything N times, into ``-o``/repeat-1 ... repeat-N (each laid
@@ -177,10 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                 run_all(args, methods, lengths, factors, engine_options, r, common)
                 append_header(r / "command.txt", argv)
             results = report(console, r, lengths, methods)
+            memory = worker_memory(console, r, lengths, methods)
         except BenchError as exc:
             print(f"serve_sweep_vllm: error: {exc}", file=sys.stderr)
             return 2
-        write_comparison(r / "comparison.json", argv, {"results": results})
+        write_comparison(r / "comparison.json", argv, {"results": results, "worker_memory": memory})
         every.append(results)
     if len(roots) > 1:
         if not args.report_only:
@@ -213,6 +218,68 @@ def report(console, root: Path, lengths: list[int], methods: list[str]) -> dict:
             cells = "  ".join(f"{m} p50 {r[m]['p50_ratio']:.2f}x p90 {r[m]['p90_ratio']:.2f}x" for m in methods[1:])
             console.print(f"  {s:>5} shared, {engine:<10} at QPS {r['qps']:.3g}: {cells}")
     return results
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f} MiB"
+
+
+def worker_memory(console, root: Path, lengths: list[int], methods: list[str]) -> dict:
+    """Per shared length and method, the vLLM worker's memory over its QPS points (printed and
+    returned): the peak K/V held (every session's sources, references and system prompts; rank 0's
+    under tensor parallelism), the bytes per trajectory when its last agent finished (max, and mean
+    over every completed trajectory), and the live trajectories at each report (0: all freed)."""
+    console.print(
+        "vLLM worker memory over the sweep: peak K/V held, per trajectory at completion (max / mean), "
+        "live trajectories at each QPS point's report (0 = freed), K/V still held after a point (system prompts, "
+        "context-free references)"
+    )
+    out: dict = {}
+    for s in lengths:
+        cfg_path = root / str(s) / "vllm" / "config.json"
+        points = (
+            json.loads(cfg_path.read_text()).get("backend_config", {}).get("worker_reports")
+            if cfg_path.is_file()
+            else None
+        )
+        if not points:
+            console.print(f"  {s:>5} shared: no worker figures in {cfg_path} (measured before they were recorded)")
+            continue
+        for m in methods:
+            got = [p for p in points if p["method"] == m]
+            if not got:
+                continue
+            done = [p for p in got if p.get("trajectories_completed")]
+            n = sum(p["trajectories_completed"] for p in done)
+            row = {
+                "held_peak_bytes": max(p["held_peak_bytes"] for p in got),
+                # what stays after a point: system prompts and context-free references, not per trajectory
+                "held_after_bytes": max(p["held_bytes"] for p in got),
+                "trajectory_bytes_at_completion_max": max(
+                    (p["trajectory_bytes_at_completion_max"] for p in done), default=None
+                ),
+                "trajectory_bytes_at_completion_mean": (
+                    sum(p["trajectory_bytes_at_completion_mean"] * p["trajectories_completed"] for p in done) / n
+                    if n
+                    else None
+                ),
+                "trajectories_completed": n,
+                "live_trajectories": {str(p["qps"]): p["live_trajectories"] for p in got},
+            }
+            row["freed"] = all(v == 0 for v in row["live_trajectories"].values())
+            out.setdefault(str(s), {})[m] = row
+            live = ",".join(str(v) for v in row["live_trajectories"].values())
+            console.print(
+                f"  {s:>5} shared, {m:<12} peak held {_mib(row['held_peak_bytes'])}; per trajectory at completion "
+                f"{_mib(row['trajectory_bytes_at_completion_max'])} max / "
+                f"{_mib(row['trajectory_bytes_at_completion_mean'])} mean ({n} trajectories); "
+                f"live at each of {len(got)} reports: {live} "
+                + ("(freed)" if row["freed"] else "(NOT freed)")
+                + f"; held after a point {_mib(row['held_after_bytes'])}",
+                highlight=False,
+                soft_wrap=True,
+            )
+    return out
 
 
 def over_repeats(console, lengths: list[int], methods: list[str], every: list[dict]) -> dict:

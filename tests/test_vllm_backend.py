@@ -215,6 +215,28 @@ def test_client_single_stream_runs_one_trajectory_after_another():
         assert nxt.arrival_s == pytest.approx(prev.completion_s)
 
 
+def test_trajectory_records_each_step_once_as_request_records_would():
+    """``TrajectoryRun.finished`` builds one record per step (``workflow.step_record``), the same as
+    ``request_records`` over the whole run apart from the timeline it adds."""
+    from kvcmas_bench.methods import get_method
+    from kvcmas_bench.serving.vllm.client import Client
+    from kvcmas_bench.serving.vllm.flow import TrajectoryRun
+    from kvcmas_bench.workflow import UnitRun, request_records
+
+    clock = _Clock()
+    rt = _runtime()
+    runs = [TrajectoryRun(rt, _plain_trace(i, agents=4), get_method("nonshared"), True, qps=0.0) for i in range(2)]
+    Client(_FakeEngine(clock), rt, clock=clock, sleep=clock.sleep).serve(runs, None)
+    timeline = ("qps", "arrival_s", "start_s", "first_token_s", "completion_s", "queue_s")
+    for run in runs:
+        again = request_records(UnitRun(run.id, run.steps), rt.facts.n_layers, trajectory=run.id)
+        assert len(run.records) == len(again) == 4
+        for rec, ref in zip(run.records, again):
+            for f in timeline:
+                setattr(ref, f, getattr(rec, f))
+            assert rec.to_dict() == ref.to_dict()
+
+
 def test_served_timelines_take_their_utilization_from_the_single_stream():
     """Without isolated service times (vLLM) utilization = QPS x the single-stream trajectory latency
     of the same method (the in-process definition); without a single-stream point a point is

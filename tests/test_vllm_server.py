@@ -138,6 +138,117 @@ def test_worker_plans_off_the_engine_thread_and_answers_when_ready():
         METHODS.pop("slow-test-method", None)
 
 
+def test_nonshared_requests_are_never_held_for_a_plan():
+    """NonShared has nothing to plan: the scheduler side does not wait for it (no claim is published
+    for it), and the worker still writes its all-exact record when it finishes."""
+    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.serving.vllm.flow import ModelFacts
+    from kvcmas_bench.serving.vllm.worker import (
+        WorkerRuntime,
+        agent_params,
+        capture_params,
+        report_params,
+        waits_for_plan,
+    )
+
+    req = Request("A", [Segment("PF", [1, 2, 3]), Segment("PH", [4, 5, 6, 7], slot="ctx")], 2, node="A")
+    meta = {m: agent_params("s", m, {}, "t", 0, req, [], "k1", last=True)["kvcmas"] for m in ("nonshared", "kvcmas")}
+    assert not waits_for_plan(meta["nonshared"]) and waits_for_plan(meta["kvcmas"])
+    assert not waits_for_plan(capture_params("s", "system")["kvcmas"])
+    assert not waits_for_plan(report_params("s")["kvcmas"])
+    facts = ModelFacts(torch.ones(4), 2, 1, 8, torch.float32, "cpu", keep_ready=True)
+    rt = WorkerRuntime(facts, set())
+    rt.new_request("r1", meta["nonshared"], req.prompt_ids)
+    assert rt.plan_of("r1") is None  # nothing to inject or capture, before and after planning
+    rt.drain()
+    assert rt.plan_of("r1") is None and rt.take_answers() == ({}, {}, {})
+    rt.finished("r1", [11, 12, 13])
+    rt.new_request("rep", report_params("s")["kvcmas"], [1])
+    rt.drain()
+    _, answers, _ = rt.take_answers()
+    recs = [r for r in answers["rep"] if "kvcmas_key" in r]
+    assert len(recs) == 1 and recs[0]["output_tokens"] == 2 and recs[0]["prefilled_tokens"] == len(req.prompt_ids)
+    assert all(s["status"] == "exact" for s in recs[0]["segments"])
+
+
+def test_the_client_and_the_worker_cut_agent_outputs_with_one_definition():
+    """``flow.agent_output``: the first max_new_tokens, cut before EOS unless ignored; the worker's
+    record holds the output the client builds the next prompts from."""
+    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.serving.vllm.flow import ModelFacts, agent_output
+    from kvcmas_bench.serving.vllm.worker import WorkerRuntime, agent_params, report_params
+
+    assert agent_output([5, 6, 7, 8], 3, {7}, ignore_eos=True) == [5, 6, 7]
+    assert agent_output([5, 6, 7, 8], 3, {7}, ignore_eos=False) == [5, 6]
+    assert agent_output([7], 3, {7}, ignore_eos=False) == [] and agent_output([5, 6], 3, {7}, False) == [5, 6]
+    facts = ModelFacts(torch.ones(4), 2, 1, 8, torch.float32, "cpu", keep_ready=True)
+    rt = WorkerRuntime(facts, {12})
+    req = Request("A", [Segment("PF", [1, 2, 3]), Segment("PH", [4, 5, 6, 7], slot="ctx")], 3, node="A")
+    for i, ignore in enumerate((True, False)):
+        meta = agent_params(f"s{i}", "nonshared", {}, "t", 0, req, [], "k", last=True, ignore_eos=ignore)["kvcmas"]
+        rt.new_request(f"r{i}", meta, req.prompt_ids)
+        rt.finished(f"r{i}", [11, 12, 13, 14])
+        rt.new_request(f"rep{i}", report_params(f"s{i}")["kvcmas"], [1])
+    rt.drain()
+    answers = rt.take_answers()[1]
+    for i, ignore in enumerate((True, False)):
+        rec = next(r for r in answers[f"rep{i}"] if "kvcmas_key" in r)
+        assert rec["output_tokens"] == len(agent_output([11, 12, 13, 14], 3, {12}, ignore)) == (3 if ignore else 1)
+
+
+def test_worker_reports_its_peak_and_each_trajectorys_bytes_at_completion():
+    """Two overlapping FullShared trajectories of two agents on the worker runtime (captures filled
+    by hand, as the connector would): the report gives the peak of the held K/V since the previous
+    report, the bytes each trajectory held when its last agent finished, and nothing left live."""
+    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.serving.vllm.flow import ModelFacts
+    from kvcmas_bench.serving.vllm.worker import WorkerRuntime, agent_params, report_params
+
+    facts = ModelFacts(torch.ones(4), 2, 1, 8, torch.float32, "cpu", keep_ready=True)
+    rt = WorkerRuntime(facts, set())
+    ctx = {t: list(range(20 + 10 * t, 28 + 10 * t)) for t in (0, 1)}
+    out = {t: [40 + t, 50 + t] for t in (0, 1)}
+
+    def agent(t: int, i: int) -> None:
+        segs = [Segment("PF", [1, 2, 3]), Segment("PH", ctx[t], slot="ctx")]
+        if i:
+            segs += [Segment("PF", [9]), Segment("PH", out[t], slot="out:A0")]
+        req = Request(f"A{i}", segs + [Segment("PF", [5, 6])], 2, node=f"A{i}")
+        meta = agent_params("s", "fullshared", {}, f"t{t}", i, req, list(range(i)), f"t{t}a{i}", last=i == 1)
+        rid = f"t{t}-{i}"
+        rt.new_request(rid, meta["kvcmas"], req.prompt_ids)
+        rt.drain()
+        for cap in rt.plan_of(rid).captures:  # what the connector copies out of vLLM's cache
+            cap.k.normal_(), cap.v.normal_(), cap.filled.fill_(True)
+        rt.captured(rid)
+        rt.finished(rid, out[t] + [7])
+        rt.drain()
+
+    def report() -> tuple[dict, list]:
+        rt.new_request("rep", report_params("s")["kvcmas"], [1])
+        rt.drain()
+        got = rt.take_answers()[1]["rep"]
+        return got[0]["session"], [r for r in got if "kvcmas_key" in r]
+
+    for t, i in ((0, 0), (1, 0), (0, 1), (1, 1)):
+        agent(t, i)
+    fig, recs = report()
+    store = {r["kvcmas_key"]: r["shared_store_bytes"] for r in recs}
+    assert all(not r.get("error") for r in recs) and min(store.values()) > 0
+    assert fig["live_trajectories"] == 0 and fig["held_bytes"] == 0  # freed at completion
+    assert fig["trajectories_completed"] == 2
+    # both trajectories have the same shapes; a tensor held twice (FullShared reuses the context
+    # unchanged at the same positions) counts once, where the records count each stored entry
+    done = fig["trajectory_bytes_at_completion_max"]
+    assert fig["trajectory_bytes_at_completion_mean"] == done
+    assert store["t0a0"] < done < store["t0a1"] == store["t1a1"]
+    # the most held at once: trajectory 0 complete while trajectory 1 held its first agent's caches
+    assert fig["held_peak_bytes"] == done + store["t1a0"]
+    again, _ = report()  # since the previous report: nothing held, nothing completed
+    assert again["held_peak_bytes"] == 0 and again["trajectories_completed"] == 0
+    assert again["trajectory_bytes_at_completion_max"] is None
+
+
 def test_request_metadata_round_trips_into_the_same_request():
     from kvcmas_bench.engine import Request, Segment
     from kvcmas_bench.serving.vllm.worker import agent_params, request_from
@@ -181,6 +292,8 @@ def test_nonshared_first_tokens_and_logprobs_equal_plain_vllm(srv):
     tr = _traces(srv, 1, seed=3)[0]
     recs, lps, _ = _run(srv, tr, _spec("nonshared"))
     assert len(recs) == len(tr.agents)
+    # NonShared goes through vLLM as plain requests: the scheduler never held one back for a plan
+    assert srv.last_session["requests_held_for_plan"] == 0
     for rec in recs:
         assert rec.segments and all(s.status == "exact" for s in rec.segments)
         assert rec.ttft_s > 0 and rec.first_token_s <= rec.completion_s
@@ -216,6 +329,7 @@ def test_kvcmas_with_one_exact_full_rank_anchor_reproduces_nonshared(srv):
     first, _, m = _run(srv, tr, _spec("kvcmas", anchors=1, rank=None))
     assert all(s.status == "exact" for r in first for s in r.segments)  # empty pool: dense, anchors inserted
     again, lps, _ = _run(srv, tr, m)  # the same session: V = 1 bypasses the gate, the exact anchor corrects
+    assert srv.last_session["requests_held_for_plan"] == len(tr.agents)  # each waited for its plan
     statuses = [s.status for r in again[1:] for s in r.segments if s.kind == "PH"]
     assert statuses and all(s == "corrected" for s in statuses)
     assert [r.first_token_id for r in again] == [r.first_token_id for r in ns]
@@ -276,7 +390,15 @@ def test_records_carry_every_segment_and_trajectory_state_is_freed(srv):
         assert r.arrival_s <= r.start_s <= r.first_token_s <= r.completion_s
         assert sum(s.tokens for s in r.segments) == r.prompt_tokens
         assert all(s.status in ("exact", "corrected", "reused") for s in r.segments)
-    assert srv.last_session["live_trajectories"] == 0  # every trajectory ended: nothing held for it
+    fig = srv.last_session
+    assert fig["live_trajectories"] == 0  # every trajectory ended: nothing held for it
+    assert fig["trajectories_completed"] == 2
+    last = [r for r in recs if r.step == len(trs[0].agents) - 1]
+    assert 0 < fig["trajectory_bytes_at_completion_max"] <= max(r.shared_store_bytes for r in last)
+    assert fig["held_peak_bytes"] >= fig["trajectory_bytes_at_completion_max"]
+    point = srv.point_reports[-1]  # kept per QPS point, in the sweep's config.json
+    assert point["method"] == "kvcmas" and point["qps"] == 4.0 and point["shared_tokens"] == trs[0].shared_tokens
+    assert point["held_peak_bytes"] == fig["held_peak_bytes"] and srv.describe()["worker_reports"][-1] == point
 
 
 @needs_vllm
@@ -333,6 +455,11 @@ def test_serve_sweep_on_the_vllm_server_writes_records_and_names_the_engine(srv,
     summary = json.loads((out / "summary.json").read_text())
     config = json.loads((out / "config.json").read_text())
     assert summary["engine"] == "vllm" and "vllm serve" in config["backend_config"]["engine"]
+    points = config["backend_config"]["worker_reports"]  # the worker's figures per method and QPS point
+    assert sorted((p["method"], p["qps"]) for p in points) == sorted(
+        (m, q) for m in ("nonshared", "fullshared", "kvcmas", "kvcomm") for q in (0.0, 8.0)
+    )
+    assert all(p["live_trajectories"] == 0 and p["trajectories_completed"] == 2 for p in points)
     reqs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     assert len(reqs) == 4 * 2 * 2 * 4
     for r in reqs:

@@ -10,7 +10,8 @@ reach it in one of two ways:
   ``kv_transfer_params`` hold the kvcmas metadata (:mod:`.worker`). The scheduler side passes new
   requests to the worker side in the step metadata and answers "not yet" (None) until the worker's
   background thread has planned them with the method (the claim comes back in the worker
-  metadata); finished requests' outputs travel the same way, and report requests return the
+  metadata); requests of a method with nothing to plan (NonShared) get 0 at once and run as plain
+  requests. Finished requests' outputs travel the same way, and report requests return the
   records in the response's ``kv_transfer_params``.
 - **In-process** (``--engine vllm-inprocess``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the harness,
   both instances and :data:`STORE` share one process; the harness registers a :class:`Plan` under
@@ -59,7 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .layout import KVLayout, slots_at, slots_of
 from .plan import KEY, STORE, Capture, Plan  # noqa: F401  (Capture, Plan: re-exported for callers)
 from .tp import HeadShards, parallel_refusal
-from .worker import WorkerRuntime, params_of
+from .worker import WorkerRuntime, params_of, waits_for_plan
 
 #: the worker side's runtime (one per worker process)
 RUNTIME: WorkerRuntime | None = None
@@ -138,6 +139,11 @@ class KVCMASConnector(KVConnectorBase_V1):
         # scheduler side, server mode
         self._server: set[str] = set()
         self._asked: set[str] = set()
+        #: agents whose claim the scheduler waits for, and those it answered "not yet" (None) so far
+        self._waits: set[str] = set()
+        self._held: set[str] = set()
+        #: per session, since its previous report: requests held back for a plan at least once
+        self._held_count: dict[str, int] = {}
         self._claims: dict[str, int] = {}
         self._answers: dict[str, list] = {}
         self._errors: dict[str, str] = {}
@@ -166,19 +172,26 @@ class KVCMASConnector(KVConnectorBase_V1):
         return max(0, n - num_computed_tokens), False
 
     def _server_match(self, request, meta: dict, num_computed_tokens: int):
-        """Server mode: ask the worker once; None ("not yet": the request waits, others step) until
-        its plan (an agent) or its answer (a report) is in."""
+        """Server mode: tell the worker once; None ("not yet": the request waits, others step) until
+        its plan (an agent of a planning method) or its answer (a report) is in. A request with
+        nothing to plan (a capture; an agent of NonShared) claims nothing and goes on at once."""
         rid = request.request_id
         self._server.add(rid)
         if rid not in self._asked:
             self._asked.add(rid)
             self._new.append((rid, meta, list(request.prompt_token_ids)))
+            if waits_for_plan(meta):
+                self._waits.add(rid)
         op = meta.get("op")
-        if op == "capture":
-            return 0, False
         if op == "report":
             return (0, False) if rid in self._answers else (None, False)
+        if rid not in self._waits:
+            return 0, False
         if rid not in self._claims:
+            if rid not in self._held:
+                self._held.add(rid)
+                sess = str(meta.get("session"))
+                self._held_count[sess] = self._held_count.get(sess, 0) + 1
             return None, False
         n = min(self._claims[rid], request.num_prompt_tokens - 1)
         return max(0, n - num_computed_tokens), False
@@ -244,11 +257,15 @@ class KVCMASConnector(KVConnectorBase_V1):
             return False, None
         self._server.discard(rid)
         self._asked.discard(rid)
+        self._waits.discard(rid)
+        self._held.discard(rid)
         self._claims.pop(rid, None)
         error = self._errors.pop(rid, None)
         meta = params_of(request) or {}
         if meta.get("op") == "report":
-            return False, {"kvcmas_reports": self._answers.pop(rid, [])}
+            held = self._held_count.pop(str(meta.get("session")), 0)
+            sched = {"requests_held_for_plan": held}
+            return False, {"kvcmas_reports": self._answers.pop(rid, []), "kvcmas_scheduler": sched}
         self._finished.append((rid, list(request.output_token_ids)))
         return False, ({"kvcmas_error": error} if error else None)
 

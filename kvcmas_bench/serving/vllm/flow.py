@@ -36,11 +36,30 @@ from ...errors import BenchError
 from ...methods.base import Method
 from ...ops.kvmath import shift_keys
 from ...results.request import RequestRecord, SegmentRecord
-from ...workflow import AgentStep, Node, UnitRun, _sources, out_slot, request_records
+from ...workflow import AgentStep, Node, _sources, out_slot, step_record
 from ..backends import trace_nodes
 from ..traces import Trace
 from .plan import Capture, Plan
 from .tp import HeadShards
+
+
+def plans_nothing(method_cls) -> bool:
+    """Whether ``method_cls`` leaves every shared segment to a dense prefill (NonShared): its requests
+    need no plan, no capture and no source, so they are served as plain requests."""
+    return method_cls.materialize is Method.materialize
+
+
+def agent_output(tokens: Iterable[int], max_new_tokens: int, eos_ids: set[int], ignore_eos: bool) -> list[int]:
+    """An agent's output from the tokens vLLM generated for it: the first ``max_new_tokens`` (vLLM
+    decodes one more, so the last output token's K/V exists), cut before the first EOS unless EOS is
+    ignored. The one definition: the worker's record and chaining (:meth:`TrajectoryRun.finished`)
+    and the HTTP client's next prompts both use it."""
+    out = list(tokens)[:max_new_tokens]
+    if not ignore_eos:
+        for i, tok in enumerate(out):
+            if tok in eos_ids:
+                return out[:i]
+    return out
 
 
 class NeedKV(Exception):
@@ -224,7 +243,7 @@ class TrajectoryRun:
         trajectory_id: str | None = None,
     ):
         self.rt, self.trace, self.method, self.qps = rt, trace, method, qps
-        self.plain = type(method).materialize is Method.materialize  # NonShared: every segment dense
+        self.plain = plans_nothing(type(method))  # NonShared: every segment dense
         self.capture_outputs = capture_outputs and not self.plain
         #: ``trace`` None: the server side, which gets each agent's node and request from its metadata
         self.nodes = trace_nodes(trace) if trace is not None else []
@@ -386,7 +405,7 @@ class TrajectoryRun:
                 method_stats={k: v - a.before.get(k, 0) for k, v in after.items() if v != a.before.get(k, 0)},
             )
         )
-        rec = request_records(UnitRun(self.id, self.steps), self.rt.facts.n_layers, trajectory=self.id)[-1]
+        rec = step_record(self.steps[-1], len(self.steps) - 1, self.rt.facts.n_layers, trajectory=self.id)
         rec.qps, rec.arrival_s, rec.start_s = self.qps, a.arrival_s, a.start_s
         rec.first_token_s, rec.completion_s = a.first_token_s, t
         rec.queue_s = a.start_s - a.arrival_s
@@ -398,13 +417,8 @@ class TrajectoryRun:
         return rec
 
     def _output(self, a: _Agent, tokens: list[int]) -> tuple[list[int], SegmentKV | None]:
-        """The agent's output (``max_new_tokens``, cut at EOS unless ignored) and its captured K/V."""
-        out = list(tokens[: a.request.max_new_tokens])
-        if not self.rt.ignore_eos:
-            for i, tok in enumerate(out):
-                if tok in self.rt.eos_ids:
-                    out = out[:i]
-                    break
+        """The agent's output (:func:`agent_output`) and its captured K/V."""
+        out = agent_output(tokens, a.request.max_new_tokens, self.rt.eos_ids, self.rt.ignore_eos)
         cap = a.output_capture
         if cap is None or not out:
             return out, None

@@ -36,7 +36,8 @@ from ...methods import Method, MethodSpec
 from ...results.request import RequestRecord
 from ..backends import Schedules, ServeResult
 from ..traces import Trace
-from .backend import ServedModel
+from .backend import ServedModel, eos_ids
+from .flow import agent_output
 from .options import parse_engine_options
 from .worker import agent_params, capture_params, report_params
 
@@ -301,6 +302,8 @@ class ClientSession:
     name: str
     options: dict
     references: bool
+    #: the method's name in the sweep (its records' ``method``)
+    label: str = ""
     sent_refs: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -313,6 +316,8 @@ class AgentSent:
     arrival_s: float
     streamed: Streamed
     prompt: list[int] = field(default_factory=list)
+    #: the agent's output length as the client cut it (its next agents' prompts hold that output)
+    output_tokens: int | None = None
 
 
 class HTTPBackend(ServedModel):
@@ -328,6 +333,8 @@ class HTTPBackend(ServedModel):
         path, self.model_name = _resolve_model(model)
         self.model_source = path
         self.config, self.tokenizer = load_config_and_tokenizer(path, model)
+        #: the worker's EOS ids (it reads the same config: :func:`~.connector._runtime`)
+        self.eos_ids = eos_ids(self.config)
         self.opts, self.dtype, self.ignore_eos, self.warmup = opts, dtype, ignore_eos, warmup
         self.cpu = device == "cpu" or (device == "auto" and not _has_cuda())
         self.server_proc: Server | None = None
@@ -347,6 +354,10 @@ class HTTPBackend(ServedModel):
         self.max_model_len = opts.max_model_len or int(getattr(self.config, "max_position_embeddings", 4096) or 4096)
         self.system_sent: set = set()
         self.logprobs: int | None = None
+        #: the worker's session figures after each served QPS point (:meth:`serve`), in
+        #: ``describe()["worker_reports"]``, hence in the sweep's ``config.json``
+        self.point_reports: list[dict] = []
+        self.last_session: dict = {}
         self._n = 0
         if warmup:
             self._request([1] * 8, 2, None)
@@ -371,6 +382,7 @@ class HTTPBackend(ServedModel):
             "stop_at_first_token": self.opts.stop_at_first_token,
             "clock": "client wall clock (time.perf_counter); TTFT at the first streamed token",
             "prefix_cache": "salted per method session and QPS point; injected requests salted per request",
+            "worker_reports": self.point_reports,
         }
 
     def close(self) -> None:
@@ -462,16 +474,11 @@ class HTTPBackend(ServedModel):
             salt = f"{sess.id}-{qps}" + (f"-{key}" if sess.name != "nonshared" else "")
             max_tokens = 1 if stop_first else req.max_new_tokens + 1
             got = self.http.stream(self._body(req.prompt_ids, max_tokens, params, salt), now)
-            toks = got.tokens[: 1 if stop_first else req.max_new_tokens]
-            if not self.ignore_eos:
-                eos = self.config.eos_token_id
-                eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
-                for j, t in enumerate(toks):
-                    if t in eos:
-                        toks = toks[:j]
-                        break
+            # the worker's definition of the output, on the same tokens: what its record and the next
+            # agent's source hold (checked against its record in _records)
+            toks = agent_output(got.tokens, req.max_new_tokens, self.eos_ids, self.ignore_eos)
             outputs[spec.name] = toks
-            out.append(AgentSent(key, trace.id, spec.name, arr, got, list(req.prompt_ids)))
+            out.append(AgentSent(key, trace.id, spec.name, arr, got, list(req.prompt_ids), len(toks)))
 
     def _serve_point(self, sess: ClientSession, traces, arrivals, qps) -> list[AgentSent]:
         sent: list[AgentSent] = []
@@ -500,12 +507,15 @@ class HTTPBackend(ServedModel):
         return sent
 
     def report(self, sess: ClientSession, end: bool = False) -> tuple[dict, dict[str, dict]]:
-        """The worker's records of ``sess`` finished so far, by request key, and its session figures."""
+        """The worker's records of ``sess`` finished so far, by request key, and its session figures
+        (with the scheduler side's: ``requests_held_for_plan``, the requests it held back until
+        their plan was in, since the previous report)."""
         resp = self._request([1], 1, report_params(sess.id, end), salt=self._key())
-        reports = (resp.get("kv_transfer_params") or {}).get("kvcmas_reports")
+        params = resp.get("kv_transfer_params") or {}
+        reports = params.get("kvcmas_reports")
         if reports is None:
             raise BenchError("the vLLM server did not answer the report (is it running KVCMASConnector?)")
-        session = next((r["session"] for r in reports if "session" in r), {})
+        session = {**next((r["session"] for r in reports if "session" in r), {}), **params.get("kvcmas_scheduler", {})}
         return session, {r.pop("kvcmas_key"): r for r in reports if "kvcmas_key" in r}
 
     def _records(self, sess: ClientSession, sent: list[AgentSent], qps) -> list[RequestRecord]:
@@ -518,6 +528,11 @@ class HTTPBackend(ServedModel):
             if "error" in d and "segments" not in d:
                 raise BenchError(f"the vLLM worker could not plan request {s.key}: {d['error']}")
             rec = RequestRecord.from_dict(d)
+            if s.output_tokens is not None and rec.output_tokens != s.output_tokens:
+                raise BenchError(
+                    f"request {s.key}: the vLLM worker recorded {rec.output_tokens} output tokens, the client "
+                    f"sent the next agents {s.output_tokens}"
+                )
             st = s.streamed
             rec.qps, rec.arrival_s, rec.start_s = qps, s.arrival_s, st.sent_s
             rec.first_token_s, rec.completion_s = st.first_s, st.done_s
@@ -534,7 +549,11 @@ class HTTPBackend(ServedModel):
             raise BenchError(f"--engine vllm cannot run {spec.name}: {reason}")
         m = spec()
         sess = ClientSession(
-            f"{spec.name}-{uuid.uuid4().hex[:8]}", spec.cls.name, dict(spec.kwargs), m.reuse_from == "reference"
+            f"{spec.name}-{uuid.uuid4().hex[:8]}",
+            spec.cls.name,
+            dict(spec.kwargs),
+            m.reuse_from == "reference",
+            label=spec.name,
         )
         m._kvcmas_session = sess  # type: ignore[attr-defined]
         return m, sess
@@ -563,8 +582,17 @@ class HTTPBackend(ServedModel):
         for q, arrivals in schedules.items():
             sent = self._serve_point(sess, traces, None if arrivals is None else list(arrivals), q)
             timelines[q] = self._records(sess, sent, q)
+            self.point_reports.append(point_report(sess.label or sess.name, traces, q, self.last_session))
         self.report(sess, end=True)
         return ServeResult(timelines, None)
+
+
+def point_report(method: str, traces: Sequence[Trace], qps, session: dict) -> dict:
+    """One QPS point's worker figures (scalars of the session report: memory held and its peak, the
+    bytes per trajectory at completion, trajectories still live, requests held for a plan)."""
+    shared = sorted({t.shared_tokens for t in traces})
+    figures = {k: v for k, v in session.items() if v is None or isinstance(v, (int, float))}
+    return {"method": method, "shared_tokens": shared[0] if len(shared) == 1 else shared, "qps": qps, **figures}
 
 
 def why_not_http(method_cls) -> str | None:

@@ -15,9 +15,12 @@ Every piece of method work (planning a request: gate, correction, re-alignment; 
 after a dense prefill; chaining and the request's record at its end) runs in one background
 thread, in arrival order, so it never runs inside an engine step: a request whose plan is not
 ready is simply not scheduled yet (``get_num_new_matched_tokens`` answers None), and the other
-requests keep stepping. The plan itself (:class:`~.plan.Plan`: prefix, overrides, captures) is
-executed by the connector exactly as on the in-process engine, through
-:func:`~.flow.TrajectoryRun.plan`, so both engines share the methods' plan code.
+requests keep stepping. Requests of a method with nothing to plan (NonShared,
+:func:`waits_for_plan`) are never held: the scheduler side answers 0 at once, vLLM serves them as
+plain requests, and the worker only writes their records. The plan itself
+(:class:`~.plan.Plan`: prefix, overrides, captures) is executed by the connector exactly as on the
+in-process engine, through :func:`~.flow.TrajectoryRun.plan`, so both engines share the methods'
+plan code.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from ...engine import Request, Segment, SegmentKV
 from ...methods.knobs import method_class
 from ...workflow import Node
 from ...workloads.base import Role
-from .flow import EngineRequest, ModelFacts, NeedKV, Runtime, TrajectoryRun
+from .flow import EngineRequest, ModelFacts, NeedKV, Runtime, TrajectoryRun, plans_nothing
 from .plan import Capture, Plan
 
 PROTOCOL = "kvcmas"
@@ -107,6 +110,19 @@ def params_of(request) -> dict | None:
     return meta if isinstance(meta, dict) and meta.get("v") == VERSION else None
 
 
+def waits_for_plan(meta: dict) -> bool:
+    """Whether the scheduler side holds this request until the worker has planned it: agents of a
+    method that plans (reuses, corrects or captures K/V). NonShared leaves every segment to vLLM, so
+    its requests go through as plain ones (no planning round trip in their TTFT); capture and
+    report requests are not planned either. An unknown method waits (its planning reports it)."""
+    if meta.get("op") != "agent":
+        return False
+    try:
+        return not plans_nothing(method_class(meta["method"]))
+    except Exception:  # noqa: BLE001  (the worker's planning says what is wrong)
+        return True
+
+
 def request_from(meta: dict, prompt: list[int]) -> tuple[Node, Request]:
     """The agent's node and whole request, rebuilt from its metadata and prompt tokens."""
     segs, pos = [], 0
@@ -144,6 +160,8 @@ class Live:
     claim: int = 0
     prompt_done: bool = False
     error: str | None = None
+    #: the scheduler side waits for this request's claim (:func:`waits_for_plan`)
+    waits: bool = True
 
 
 @dataclass
@@ -155,6 +173,8 @@ class Session:
     trajectories: OrderedDict = field(default_factory=OrderedDict)
     reports: list = field(default_factory=list)
     evicted: int = 0
+    #: since the previous report: the bytes each trajectory held when its last agent finished
+    completed_bytes: list[int] = field(default_factory=list)
 
 
 class WorkerRuntime:
@@ -179,6 +199,8 @@ class WorkerRuntime:
         self.errors: dict[str, str] = {}
         self.jobs: queue.Queue = queue.Queue()
         self.busy_s = 0.0
+        #: the most :meth:`held_bytes` since the previous report (:meth:`_note_held`)
+        self.held_peak = 0
         self._thread = threading.Thread(target=self._loop, name="kvcmas-method-work", daemon=True)
         self._thread.start()
 
@@ -235,7 +257,7 @@ class WorkerRuntime:
             self.submit(lambda: self._report(req_id, meta))
             return
         with self.lock:
-            self.live[req_id] = Live(meta)
+            self.live[req_id] = Live(meta, waits=waits_for_plan(meta))
         self.submit(lambda: self._plan(req_id, meta, prompt))
 
     def _plan(self, req_id: str, meta: dict, prompt: list[int]) -> None:
@@ -284,7 +306,7 @@ class WorkerRuntime:
         live.session, live.trajectory, live.plan, live.claim, live.error = sess, traj, plan, claim, error
         if self.shards is not None:
             self.shards.barrier()  # every rank's request state is final before the scheduler hears of it
-        if self.publishes:
+        if self.publishes and live.waits:  # nothing to answer for a request that is not held (NonShared)
             with self.lock:
                 self.claims[req_id] = claim
                 if error:
@@ -350,19 +372,29 @@ class WorkerRuntime:
             rec = {"error": f"{type(exc).__name__}: {exc}"}
         rec["kvcmas_key"] = meta["key"]
         sess.reports.append(rec)
+        self._note_held()  # the agent's caches are chained: the trajectory holds the most now
         if meta.get("last"):
+            sess.completed_bytes.append(_unique_bytes(kv for hist in traj.store.values() for _, kv in hist))
             sess.trajectories.pop(meta["trajectory"], None)
 
     def _report(self, req_id: str, meta: dict) -> None:
         sess = self.sessions.get(meta["session"])
         out: list = []
+        held = self._note_held()
         if sess is not None:
             out, sess.reports = sess.reports, []
+            done, sess.completed_bytes = sess.completed_bytes, []
             extra = {
                 "method_state_bytes": sess.method.state_bytes(),
                 "live_trajectories": len(sess.trajectories),
                 "trajectories_evicted": sess.evicted,
-                "held_bytes": self.held_bytes(),
+                "held_bytes": held,
+                # the worker's whole K/V store (every session), at its highest since the previous report
+                "held_peak_bytes": self.held_peak,
+                # this session's trajectories whose last agent finished since the previous report
+                "trajectories_completed": len(done),
+                "trajectory_bytes_at_completion_max": max(done) if done else None,
+                "trajectory_bytes_at_completion_mean": sum(done) / len(done) if done else None,
                 "method_work_s": self.busy_s,
             }
             layout = getattr(sess.method, "state_layout", None)
@@ -373,6 +405,7 @@ class WorkerRuntime:
             out = [{"session": extra}] + out
             if meta.get("end"):
                 self.sessions.pop(meta["session"], None)
+        self.held_peak = self.held_bytes()  # the next report's peak starts from what is held now
         if self.publishes:
             with self.lock:
                 self.answers[req_id] = out
@@ -380,23 +413,28 @@ class WorkerRuntime:
     # ---- memory --------------------------------------------------------------------------------
     def held_bytes(self) -> int:
         """K/V this worker holds for live trajectories, references and system prompts."""
-        seen, total = set(), 0
         kvs = list(self.system_kv.values()) + list(self.facts.ready.values())
         for s in self.sessions.values():
             for traj in s.trajectories.values():
                 kvs += [kv for hist in traj.store.values() for _, kv in hist]
-        for kv in kvs:
-            if id(kv.k) not in seen:
-                seen.add(id(kv.k))
-                total += kv.k.nbytes + kv.v.nbytes
-        return total
+        return _unique_bytes(kvs)
+
+    def _note_held(self) -> int:
+        """:meth:`held_bytes` now, folded into the peak. Called on the method thread after a
+        trajectory stores an agent's caches, before anything is freed (a finished trajectory,
+        evictions, a session's end) and at each report. Captures stored from the engine's thread
+        (system prompts, references) only add bytes, so measuring before every free and at the
+        report finds the true peak."""
+        held = self.held_bytes()
+        self.held_peak = max(self.held_peak, held)
+        return held
 
     def _evict(self, current: Session) -> None:
         """Beyond the budget: drop references, then whole trajectories, least recently used first
         (never the one being served); a later agent of an evicted trajectory finds no source."""
         if self.budget is None:
             return
-        while self.held_bytes() > self.budget:
+        while self._note_held() > self.budget:
             if self.facts.ready:
                 with self.lock:
                     self.facts.ready.pop(next(iter(self.facts.ready)))
@@ -415,3 +453,14 @@ class WorkerRuntime:
             answers, self.answers = self.answers, {}
             errors, self.errors = self.errors, {}
         return claims, answers, errors
+
+
+def _unique_bytes(kvs) -> int:
+    """Bytes of the K/V tensors of ``kvs``, each tensor once (a segment reused unchanged, at the
+    same positions, is its source's tensor; the records' ``shared_store_bytes`` count it per use)."""
+    seen, total = set(), 0
+    for kv in kvs:
+        if id(kv.k) not in seen:
+            seen.add(id(kv.k))
+            total += kv.k.nbytes + kv.v.nbytes
+    return total
