@@ -22,6 +22,7 @@ Run it with a Python that has vLLM (``bash scripts/setup.sh --vllm``), one threa
     OMP_NUM_THREADS=1 python benchmarks/serve_sweep_vllm.py --shared-tokens 1024,2048 --trajectories 12 \\
         --warmup-trajectories 4 --output-tokens 16 --calib-trajectories 2 --qps-factors 0.5,0.9,1.5,2 \\
         -o runs/vllm-bench   # the defaults
+    ... --matched-rho paper-0.8   # both engines at the paper's matched reuse ratio (Section 4.3, B.4)
 
 Results: ``-o``/``<shared>/in-process`` and ``-o``/``<shared>/vllm`` (ordinary serve-sweep
 directories: config, traces, requests, summary, plots), ``-o``/``comparison.json`` (first keys:
@@ -127,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine-arg", action="append", default=[], help="vLLM engine option KEY=VALUE (repeatable)")
+    ap.add_argument(
+        "--matched-rho",
+        default=None,
+        help="serve both engines at a matched reuse ratio: DELTA[,RECOMPUTE], or the paper's pairs paper-0.8 / "
+        "paper-0.6 (default: none, every method's own gate)",
+    )
     ap.add_argument("--output-path", "-o", default="runs/vllm-bench")
     ap.add_argument("--report-only", action="store_true", help="print the tables of an existing --output-path")
     ap.add_argument(
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         output_tokens=args.output_tokens,
         calib_trajectories=args.calib_trajectories,
         warmup_trajectories=args.warmup_trajectories,
+        matched_rho=args.matched_rho,
         console=console,
         show_table=False,
         progress=lambda msg: console.print(f"[dim]{msg}[/dim]"),
