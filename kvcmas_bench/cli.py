@@ -723,8 +723,8 @@ def list_methods(
     out.print(t)
 
 
-@app.command("backends")
-def list_backends() -> None:
+@app.command("engines")
+def list_engines() -> None:
     """List the serving engines (``serve-sweep --engine``), one Backend plugin each."""
     from .serving.backends import BACKENDS
 
@@ -734,6 +734,9 @@ def list_backends() -> None:
     for name, factory in BACKENDS.items():
         t.add_row(name, (factory.__doc__ or "").strip().splitlines()[0] if factory.__doc__ else "")
     out.print(t)
+
+
+app.command("backends", hidden=True, help="Old name of `engines`.")(list_engines)
 
 
 @app.command("workloads")
