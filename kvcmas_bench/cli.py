@@ -254,9 +254,8 @@ def serve_sweep_cmd(
         "whatever their gates say); CacheBlend/DroidSpeak/RelayCaching get --rho RECOMPUTE (default DELTA). "
         "Without it the gated methods reach the rho their tau gives.",
     ),
-    engine: str = typer.Option(
-        "in-process", "--engine", "--backend", help="Serving engine (see `kvcmas-bench backends`)."
-    ),
+    engine: str = typer.Option("in-process", "--engine", help="Serving engine (see `kvcmas-bench engines`)."),
+    backend: str | None = typer.Option(None, "--backend", hidden=True, help="Old name of --engine."),
     engine_arg: EngineArg = None,
 ) -> None:
     """Serve controlled 4-agent traces with every method across QPS. The in-process engine measures
@@ -266,14 +265,16 @@ def serve_sweep_cmd(
     or of --engine-arg base_url=URL). Writes requests.jsonl, summary.json (TTFT p50/p90/p99 split
     into own service and queueing, realized rho ...) and TTFT-vs-QPS plots. --matched-rho compares
     the methods at matched amounts of dense prefill (paper Figure 5)."""
-    from .jobs.sweep import serve_sweep
+    from .jobs.sweep import SweepOptions, run_sweep
 
-    serve_sweep(
-        _split(methods) or ["all"],
-        _floats("--qps", qps),
-        _ints("--shared-tokens", shared_tokens),
-        num_trajectories,
-        output_path,
+    if backend is not None and engine not in ("in-process", backend):
+        raise BenchError(f"--backend is the old name of --engine; give one (got --engine {engine} --backend {backend})")
+    opts = SweepOptions(
+        methods=_split(methods) or ["all"],
+        qps=_floats("--qps", qps),
+        shared_tokens=_ints("--shared-tokens", shared_tokens),
+        num_trajectories=num_trajectories,
+        output_path=output_path,
         model=model,
         device=device,
         dtype=dtype,
@@ -284,11 +285,12 @@ def serve_sweep_cmd(
         traces_path=traces,
         calib_trajectories=calib_trajectories,
         warmup_trajectories=warmup_trajectories,
-        backend=engine,
-        engine_options=_pairs("--engine-arg", engine_arg),
         method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
         matched_rho=matched_rho,
+        engine=backend or engine,
+        engine_options=_pairs("--engine-arg", engine_arg) or {},
     )
+    run_sweep(opts)
     err.print(f"results in {output_path}/ (summary.json, requests.jsonl, service.jsonl, traces.jsonl, plots)")
 
 
@@ -723,8 +725,8 @@ def list_methods(
     out.print(t)
 
 
-@app.command("backends")
-def list_backends() -> None:
+@app.command("engines")
+def list_engines() -> None:
     """List the serving engines (``serve-sweep --engine``), one Backend plugin each."""
     from .serving.backends import BACKENDS
 
@@ -734,6 +736,9 @@ def list_backends() -> None:
     for name, factory in BACKENDS.items():
         t.add_row(name, (factory.__doc__ or "").strip().splitlines()[0] if factory.__doc__ else "")
     out.print(t)
+
+
+app.command("backends", hidden=True, help="Old name of `engines`.")(list_engines)
 
 
 @app.command("workloads")

@@ -150,6 +150,14 @@ def test_list_commands(capsys):
     assert "nonshared" in capsys.readouterr().out
     assert _run(["workloads"]) == 0
     assert "mmlu" in capsys.readouterr().out
+    assert _run(["engines"]) == 0
+    engines = capsys.readouterr().out
+    assert "in-process" in engines and "vllm" in engines
+    assert _run(["backends"]) == 0  # the old name, hidden
+    assert capsys.readouterr().out == engines
+    assert _run(["--help"]) == 0
+    listed = capsys.readouterr().out
+    assert " engines " in listed and " backends " not in listed
 
 
 @pytest.mark.slow

@@ -186,14 +186,11 @@ def _patch_jobs(monkeypatch) -> None:
     def stop(opts, progress=None):
         raise _Parsed(opts.method_args)
 
-    def stop_sweep(*a, method_args=None, **kw):
-        raise _Parsed(method_args)
-
     monkeypatch.setattr(run_job, "run", stop)
     monkeypatch.setattr(suite, "run_suite", stop)
     monkeypatch.setattr(ablate, "run_ablation", stop)
     monkeypatch.setattr(analyze, "chain_analysis", stop)
-    monkeypatch.setattr(sweep, "serve_sweep", stop_sweep)
+    monkeypatch.setattr(sweep, "run_sweep", stop)
 
 
 def _argv(command: str, method: str, knob_argv: list[str]) -> list[str]:
@@ -211,6 +208,31 @@ def _parse(command: str, method: str, knob_argv: list[str]) -> dict:
     with pytest.raises(_Parsed) as exc:
         main(_argv(command, method, knob_argv))
     return exc.value.method_args
+
+
+def test_serve_sweep_builds_one_options_object_with_engine_and_its_hidden_old_name(monkeypatch, capsys):
+    from kvcmas_bench.jobs import sweep
+
+    got = []
+    monkeypatch.setattr(sweep, "run_sweep", lambda opts, progress=None: got.append(opts))
+    for argv, engine in (([], "in-process"), (["--engine", "vllm"], "vllm"), (["--backend", "vllm"], "vllm")):
+        with pytest.raises(SystemExit) as exc:
+            main(["serve-sweep", *argv, "--qps", "0,2", "--engine-arg", "block_size=16", "-o", "/nonexistent/x"])
+        assert exc.value.code == 0
+        opts = got.pop()
+        assert isinstance(opts, sweep.SweepOptions) and opts.engine == engine
+        assert opts.qps == [0.0, 2.0] and opts.engine_options == {"block_size": "16"}
+        assert opts.output_path == "/nonexistent/x" and opts.methods == ["all"]
+    with pytest.raises(SystemExit) as exc:
+        main(["serve-sweep", "--engine", "vllm", "--backend", "in-process", "-o", "/nonexistent/x"])
+    assert exc.value.code == 2 and "--backend is the old name of --engine" in capsys.readouterr().err
+    assert not got
+    # --backend works but is not shown
+    serve_sweep = _commands()["serve-sweep"]
+    assert {p.name: p.hidden for p in serve_sweep.params if p.name in ("engine", "backend")} == {
+        "engine": False,
+        "backend": True,
+    }
 
 
 def test_suite_takes_rank(monkeypatch):

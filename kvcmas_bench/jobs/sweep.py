@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..console import print_sweep_table
 from ..errors import BenchError
@@ -56,6 +57,11 @@ from ..serving.traces import (
     load_traces,
     scheduled_rho,
 )
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ..modeling import LoadedModel
 
 # settings that change measured service times: a resumed output directory must match them
 MEASURE_KEYS = (
@@ -368,10 +374,106 @@ def open_dir(out_dir: Path, config: dict, num_trajectories: int) -> Measured:
     return saved
 
 
+@dataclass
+class SweepOptions:
+    """Every setting of one ``serve-sweep`` (the CLI builds one from its flags; :func:`run_sweep`
+    runs it). ``model``, ``device``, ``dtype``, ``seed``, ``output_path``, ``method_args`` and
+    ``plots`` mean what they mean in :class:`~kvcmas_bench.jobs.run.RunOptions`."""
+
+    #: method names or ``["all"]`` (on an engine that cannot run every method: the ones it can)
+    methods: list[str] = field(default_factory=lambda: ["all"])
+    #: trajectory arrival rates in trajectory starts per second; 0 = single stream
+    qps: list[float] = field(default_factory=lambda: [0.0, 1.0, 2.0, 4.0, 8.0])
+    #: non-generated shared context lengths (accumulated: output lengths; traces_path: those kept, [] = all)
+    shared_tokens: list[int] = field(default_factory=lambda: [2048])
+    #: evaluated trajectories per shared length
+    num_trajectories: int = 4
+    #: output directory; a sweep run again into it resumes (saved measurements are not measured again)
+    output_path: str = "runs/serve-sweep"
+    #: HF model id, local HF folder, .gguf file or a loaded model (None: the default model); for ``engine`` names only
+    model: str | LoadedModel | None = None
+    #: cpu, cuda, cuda:N or auto (for ``engine`` names only)
+    device: str = "auto"
+    #: float32, bfloat16 or float16
+    dtype: str = "float32"
+    #: seed of the traces, the arrival pattern (scaled by 1/qps, the same for every method), the rho schedule
+    seed: int = 0
+    #: gamma shape of the inter-arrival gaps (1 = Poisson), as ``vllm bench serve``
+    burstiness: float = 1.0
+    #: tokens each agent generates
+    output_tokens: int = 128
+    #: shared context accumulated from agent outputs over ``context_tokens``, ``// 3`` per agent (paper B.6)
+    accumulated: bool = False
+    #: replay a saved ``traces.jsonl`` exactly instead of building traces
+    traces_path: str | None = None
+    #: context tokens of accumulated traces
+    context_tokens: int = DEFAULT_ACCUMULATED_CONTEXT
+    #: held-out trajectories per shared length for calibration / pool warm-up
+    calib_trajectories: int = 2
+    #: more held-out trajectories served before measurement (pools in steady state; excluded from statistics)
+    warmup_trajectories: int = 0
+    #: method knobs (typed flags and ``--method-arg`` pairs; None = unset), checked before any model loads
+    method_args: dict = field(default_factory=dict)
+    #: matched reuse ratio ("DELTA[,RECOMPUTE]", a preset, a pair, a MatchedRho); sets rho, so method_args must not
+    matched_rho: str | Sequence[float] | MatchedRho | None = None
+    #: a registered engine name (``kvcmas-bench engines``), started with the settings here, or a Backend instance
+    engine: str | Backend = "in-process"
+    #: engine-specific options (``--engine-arg KEY=VALUE``: vLLM block size, KV cache size ...), checked early
+    engine_options: dict = field(default_factory=dict)
+    #: generate exactly ``output_tokens`` per agent, EOS ignored (a started engine's setting)
+    ignore_eos: bool = True
+    #: warm each method up on the held-out trajectories before measuring (a started engine's setting)
+    warmup: bool = True
+    #: draw the TTFT-vs-QPS plots (PNG and SVG)
+    plots: bool = True
+    #: print the summary table
+    show_table: bool = True
+    #: the question texts the shared contexts are built from (None: MMLU's)
+    texts: Sequence[str] | None = None
+
+
+@dataclass
+class SweepPlan:
+    """What :func:`resolve` checked and decided before any model loads or anything is written."""
+
+    engine_name: str
+    specs: dict[str, MethodSpec]
+    qps: list[float]
+    matched: MatchedRho | None
+    #: the methods that calibrate
+    needs_calib: list[str]
+    #: the traces of ``traces_path`` (None: traces are built)
+    loaded: list[Trace] | None
+
+
+def run_sweep(
+    opts: SweepOptions, progress: Callable[[str], None] | None = None, console: Console | None = None
+) -> dict:
+    """Serve every method on every shared length across all QPS values and write the results:
+    :func:`resolve`, then (output directory locked, engine started) :func:`prepare`, :func:`serve`,
+    :func:`write`. ``progress``: callback for one-line progress messages (default: dim lines on
+    ``console``, the rich Console of the table, default stdout). Returns the summary dict (also
+    written to ``output_path/summary.json``). Raises :class:`BenchError` on bad input."""
+    from rich.console import Console
+
+    plan = resolve(opts)
+    console = console if console is not None else Console()
+    say = progress or (lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    out_dir = Path(opts.output_path)
+    # a busy or unwritable output path fails before the model loads; a server this sweep starts
+    # (--engine vllm) stops with it
+    with lock_output_dir(out_dir), contextlib.ExitStack() as opened:
+        backend = _open_backend(opts, plan.engine_name, opened)
+        sweep, config, saved = prepare(opts, plan, backend, say)
+        timelines = serve(sweep, backend, saved, config, out_dir / "service.jsonl", say)
+        _write_config(out_dir, config, backend)
+        return write(out_dir, config, timelines, opts.plots, console if opts.show_table else None)
+
+
 def serve_sweep(
-    methods: list[str],
-    qps: list[float],
-    shared_tokens: list[int],
+    methods: Sequence[str],
+    qps: Sequence[float],
+    shared_tokens: Sequence[int],
     num_trajectories: int,
     output_path: str,
     model=None,
@@ -398,79 +500,59 @@ def serve_sweep(
     engine_options: dict | None = None,
     matched_rho=None,
 ) -> dict:
-    """Serve every method on every shared length across all QPS values and write the results.
+    """:func:`run_sweep` with the settings as arguments (:class:`SweepOptions` explains each);
+    ``backend`` is ``SweepOptions.engine`` (None: ``in-process``)."""
+    settings = dict(locals())  # exactly the parameters: every one but these three is a field
+    hooks = {k: settings.pop(k) for k in ("progress", "console")}
+    engine = settings.pop("backend")
+    settings.update(method_args=method_args or {}, engine_options=engine_options or {})
+    opts = SweepOptions(**settings, engine="in-process" if engine is None else engine)
+    return run_sweep(opts, **hooks)
 
-    ``methods``: names or ``["all"]``; ``qps``: trajectory starts per second, 0 = single stream;
-    ``shared_tokens``: non-generated shared context lengths (``accumulated=True``: accumulated
-    agent-output lengths over ``context_tokens`` of context, ``// 3`` generated per agent);
-    ``traces_path``: replay a saved ``traces.jsonl`` instead of building traces (its lengths are
-    selected by ``shared_tokens``; an empty list takes all). ``method_args``: knob values (typed
-    flags and ``--method-arg`` pairs; None = unset), validated for the selected methods before any
-    model is loaded. ``backend``: a registered backend name (default ``in-process``, built from
-    ``model``/``device``/``dtype``/``ignore_eos``/``warmup``) or a :class:`Backend` instance.
-    ``engine_options``: backend-specific options (``--engine-arg KEY=VALUE``; the vLLM engine's
-    block size, KV cache size, batching limits, prefix caching), checked before the model loads.
-    ``console``: rich Console for the table (default stdout); ``progress``: callback for one-line
-    progress messages. ``warmup_trajectories``: held-out trajectories every method serves before
-    measurement (online state warmed up as in a long-running service; excluded from statistics).
-    ``matched_rho``: serve every method at a matched reuse ratio (``"DELTA[,RECOMPUTE]"``, a
-    preset of :data:`RHO_PRESETS`, a pair or a :class:`MatchedRho`; see the module docstring); it
-    sets the recomputation methods' ``rho``, so ``method_args`` must not.
-    Returns the summary dict (also written to ``output_path/summary.json``). Raises
-    :class:`BenchError` on bad input.
-    """
-    from rich.console import Console
 
+def resolve(opts: SweepOptions) -> SweepPlan:
+    """Check the options, the methods (their knobs, a matched rho, the engine's support) and read a
+    trace file, before the output directory is touched or any model loads."""
     names, qps_list = validate(
-        methods,
-        qps,
-        shared_tokens,
-        num_trajectories,
-        burstiness,
-        output_tokens,
-        calib_trajectories,
-        traces_path is not None,
-        warmup_trajectories,
+        opts.methods,
+        opts.qps,
+        opts.shared_tokens,
+        opts.num_trajectories,
+        opts.burstiness,
+        opts.output_tokens,
+        opts.calib_trajectories,
+        opts.traces_path is not None,
+        opts.warmup_trajectories,
     )
-    engine_name = backend if isinstance(backend, str) else ("in-process" if backend is None else backend.name)
-    matched = parse_matched_rho(matched_rho)
-    specs = _method_specs(methods, names, engine_name, backend, matched, method_args)
-    needs_calib = _needs_calibration(specs, calib_trajectories, traces_path)
-    console = console if console is not None else Console()
-    say = progress or (lambda msg: console.print(f"[dim]{msg}[/dim]"))
-    out_dir = Path(output_path)
-    loaded = load_traces(traces_path) if traces_path else None
-    # a busy or unwritable output path fails before the model loads; a server this sweep starts
-    # (--engine vllm) stops with it
-    with lock_output_dir(out_dir), contextlib.ExitStack() as opened:
-        started = backend is None or isinstance(backend, str)
-        backend = _open_backend(backend, engine_name, model, device, dtype, ignore_eos, warmup, engine_options)
-        if started and callable(getattr(backend, "close", None)):
-            opened.callback(backend.close)
-        sweep = SweepSpec(specs, qps_list, num_trajectories, burstiness, seed, accumulated, traces_path)
-        _set_traces(
-            sweep,
-            backend,
-            loaded,
-            needs_calib,
-            shared_tokens,
-            output_tokens,
-            context_tokens,
-            calib_trajectories,
-            texts,
-            warmup_trajectories,
-        )
-        schedule_groups(sweep, matched, say)
-        traces_text = dump_traces(sweep.traces)
-        config = sweep_config(sweep, backend, traces_text, method_args or {}, dtype, ignore_eos, warmup)
-        config["engine_options"] = dict(engine_options or {})
-        config.update(matched_config(sweep, matched))
-        saved = open_dir(out_dir, config, num_trajectories)  # checks the directory before anything is written
-        atomic_write(out_dir / "traces.jsonl", traces_text)
-        _write_config(out_dir, config, backend)
-        timelines = serve_all(sweep, backend, saved, config, out_dir / "service.jsonl", say)
-        _write_config(out_dir, config, backend)
-        return finish(out_dir, config, timelines, plots, console if show_table else None)
+    engine_name = opts.engine if isinstance(opts.engine, str) else opts.engine.name
+    matched = parse_matched_rho(opts.matched_rho)
+    specs = _method_specs(opts.methods, names, engine_name, opts.engine, matched, opts.method_args)
+    needs_calib = _needs_calibration(specs, opts.calib_trajectories, opts.traces_path)
+    loaded = load_traces(opts.traces_path) if opts.traces_path else None
+    return SweepPlan(engine_name, specs, qps_list, matched, needs_calib, loaded)
+
+
+def prepare(
+    opts: SweepOptions, plan: SweepPlan, backend: Backend, say: Callable[[str], None]
+) -> tuple[SweepSpec, dict, Measured]:
+    """The traces of every shared length (loaded, or built with the engine's tokenizer) with their
+    matched-rho schedule, the sweep's configuration, and the output directory opened: checked
+    against a resumed sweep's settings (its saved measurements returned), then ``traces.jsonl`` and
+    ``config.json`` written."""
+    sweep = SweepSpec(
+        plan.specs, plan.qps, opts.num_trajectories, opts.burstiness, opts.seed, opts.accumulated, opts.traces_path
+    )
+    _set_traces(sweep, backend, plan.loaded, plan.needs_calib, opts)
+    schedule_groups(sweep, plan.matched, say)
+    traces_text = dump_traces(sweep.traces)
+    config = sweep_config(sweep, backend, traces_text, opts.method_args or {}, opts.dtype, opts.ignore_eos, opts.warmup)
+    config["engine_options"] = dict(opts.engine_options or {})
+    config.update(matched_config(sweep, plan.matched))
+    out_dir = Path(opts.output_path)
+    saved = open_dir(out_dir, config, opts.num_trajectories)  # checks the directory before anything is written
+    atomic_write(out_dir / "traces.jsonl", traces_text)
+    _write_config(out_dir, config, backend)
+    return sweep, config, saved
 
 
 def _method_specs(
@@ -515,60 +597,46 @@ def _needs_calibration(specs: dict[str, MethodSpec], calib_trajectories: int, tr
     return needs
 
 
-def _open_backend(
-    backend: Backend | str | None,
-    engine_name: str,
-    model,
-    device: str,
-    dtype: str,
-    ignore_eos: bool,
-    warmup: bool,
-    engine_options: dict | None,
-) -> Backend:
-    """The given backend instance, or the registered engine ``engine_name`` started (the model loads)."""
-    if backend is not None and not isinstance(backend, str):
-        return backend
-    return get_backend(
+def _open_backend(opts: SweepOptions, engine_name: str, opened: contextlib.ExitStack) -> Backend:
+    """The given backend instance, or the registered engine ``engine_name`` started (the model
+    loads), closed when ``opened`` closes."""
+    if not isinstance(opts.engine, str):
+        return opts.engine
+    backend = get_backend(
         engine_name,
-        model=model,
-        device=device,
-        dtype=dtype,
-        ignore_eos=ignore_eos,
-        warmup=warmup,
-        **(engine_options or {}),
+        model=opts.model,
+        device=opts.device,
+        dtype=opts.dtype,
+        ignore_eos=opts.ignore_eos,
+        warmup=opts.warmup,
+        **(opts.engine_options or {}),
     )
+    if callable(getattr(backend, "close", None)):
+        opened.callback(backend.close)
+    return backend
 
 
 def _set_traces(
-    sweep: SweepSpec,
-    backend: Backend,
-    loaded: list[Trace] | None,
-    needs_calib: list[str],
-    shared_tokens: Sequence[int],
-    output_tokens: int,
-    context_tokens: int,
-    calib_trajectories: int,
-    texts,
-    warmup_trajectories: int,
+    sweep: SweepSpec, backend: Backend, loaded: list[Trace] | None, needs_calib: list[str], opts: SweepOptions
 ) -> None:
     """``sweep.groups``: the loaded traces (``--traces``) or ones built with the backend's
     tokenizer, per shared length, checked against the model's context and vocabulary."""
     if loaded is not None:
         sweep.groups = _groups_from_file(
-            loaded, sweep.traces_path, shared_tokens, sweep.num_trajectories, sweep.accumulated, needs_calib
+            loaded, sweep.traces_path, opts.shared_tokens, sweep.num_trajectories, sweep.accumulated, needs_calib
         )
     else:
         sweep.groups = _built_groups(
             backend.tokenizer,
-            shared_tokens,
+            opts.shared_tokens,
             sweep.num_trajectories,
-            output_tokens,
+            opts.output_tokens,
             sweep.seed,
             sweep.accumulated,
-            context_tokens,
-            calib_trajectories,
-            texts,
-            warmup_trajectories,
+            opts.context_tokens,
+            opts.calib_trajectories,
+            opts.texts,
+            opts.warmup_trajectories,
         )
     check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
 
@@ -649,10 +717,12 @@ def matched_config(sweep: SweepSpec, matched: MatchedRho | None) -> dict:
     }
 
 
-def serve_all(
+def serve(
     sweep: SweepSpec, backend: Backend, saved: Measured, config: dict, service_path: Path, say: Callable[[str], None]
 ) -> dict[tuple[str, int], dict[float, list[RequestRecord]]]:
-    """Every (method, shared length) group: reuse saved measurements where possible, else serve."""
+    """Every (method, shared length) group: reuse saved measurements where possible, else prepare the
+    method on the held-out trajectories and serve the evaluated ones (measurements appended to
+    ``service_path``); the served timelines per group and QPS."""
     out = {}
     for s, (ev, cal) in sweep.groups.items():
         schedules = sweep.schedules(len(ev))
@@ -685,8 +755,9 @@ def serve_all(
     return out
 
 
-def finish(out_dir: Path, config: dict, timelines: dict, plots: bool = True, console=None) -> dict:
-    """Rows from the served timelines; write requests.jsonl, summary.json, plots; print the table."""
+def write(out_dir: Path, config: dict, timelines: dict, plots: bool = True, console=None) -> dict:
+    """Rows from the served timelines; write requests.jsonl, summary.json, plots; print the table
+    (``console`` not None); the summary."""
     rows, requests = [], []
     for (method, shared), per_qps in timelines.items():
         for q, served in per_qps.items():
@@ -765,7 +836,7 @@ def _evaluate_service(
         if k[0] in config["methods"] and k[1] in config["shared_tokens"]
     }
     write_json(cfg_path, config)
-    return finish(out_dir, config, timelines, plots, console)
+    return write(out_dir, config, timelines, plots, console)
 
 
 # ---- output directory -----------------------------------------------------------------------------
