@@ -234,13 +234,17 @@ class OnlineDeltaCorrection(Method):
         if h > self.tau and not force:
             details["gate"] = "rejected"
             return None
+        details.update(gate="accepted" if h <= self.tau else "scheduled", anchors_used=self.activate(cands, g))
+        return GateDecision(cands, k, g, h, dist_v)
+
+    def activate(self, cands: list[Anchor], g: torch.Tensor) -> int:
+        """Raise the activation counts (the LFU eviction's) of the smallest top set of anchors whose
+        gate weights reach ``activation_top_p`` (KVComm's rule); returns its size."""
         order = torch.argsort(g, descending=True)
-        cum = torch.cumsum(g[order], 0)
-        n_top = int((cum < self.activation_top_p).sum()) + 1
+        n_top = int((torch.cumsum(g[order], 0) < self.activation_top_p).sum()) + 1
         for i in order[:n_top].tolist():
             cands[i].count += 1
-        details.update(gate="accepted" if h <= self.tau else "scheduled", anchors_used=n_top)
-        return GateDecision(cands, k, g, h, dist_v)
+        return n_top
 
     def blocks(self, k: int):
         """``(start, n)`` of the consecutive blocks of at most :attr:`block_tokens` rows covering ``k``."""
