@@ -83,9 +83,19 @@ def rows_of(sweep_dir: Path) -> dict:
     for line in (sweep_dir / "requests.jsonl").read_text().splitlines():
         r = RequestRecord.from_dict(json.loads(line))
         groups.setdefault((r.method, r.shared_tokens, r.qps), []).append(r)
-    rows = [sweep_row(m, s, q, recs) for (m, s, q), recs in groups.items()]
+    rows = []
+    for (m, s, q), recs in groups.items():
+        row = sweep_row(m, s, q, recs)
+        row["work_mean_s"] = sum(method_work_s(r) for r in recs) / len(recs)
+        rows.append(row)
     mark_saturation(rows)
     return {(r["method"], r["qps"]): r for r in rows}
+
+
+def method_work_s(r) -> float:
+    """A request's method work before its prefill: the wall time of materializing its shared
+    segments (gate, correction, alignment; on vLLM measured in the worker), 0 for a dense segment."""
+    return sum(s.materialize_s or 0.0 for s in r.segments if s.kind == "PH")
 
 
 def ratios(by: dict, methods: list[str]) -> dict | None:
@@ -103,6 +113,9 @@ def ratios(by: dict, methods: list[str]) -> dict | None:
             "p90_s": r["ttft_p90_s"],
             "p50_ratio": ns["ttft_p50_s"] / r["ttft_p50_s"],
             "p90_ratio": ns["ttft_p90_s"] / r["ttft_p90_s"],
+            "reuse_ratio": r.get("reuse_ratio"),
+            "dense_fallback_share": r.get("dense_fallback_share"),
+            "work_mean_s": r.get("work_mean_s"),
         }
     return out
 
@@ -225,7 +238,25 @@ def report(console, root: Path, lengths: list[int], methods: list[str]) -> dict:
                 continue
             cells = "  ".join(f"{m} p50 {r[m]['p50_ratio']:.2f}x p90 {r[m]['p90_ratio']:.2f}x" for m in methods[1:])
             console.print(f"  {s:>5} shared, {engine:<10} at QPS {r['qps']:.3g}: {cells}")
+    console.print(
+        "At that QPS, per method: realized rho, share of requests with a dense fallback, and the mean method "
+        "work per request before its prefill (materializing the shared segments: gate, correction, alignment)"
+    )
+    for s, per in results.items():
+        for engine, r in per.items():
+            if r is None:
+                continue
+            cells = "  ".join(
+                f"{m} rho {_fmt(r[m]['reuse_ratio'])} fallback {_fmt(r[m]['dense_fallback_share'])} "
+                f"work {_fmt(r[m]['work_mean_s'], '.3f')} s"
+                for m in methods
+            )
+            console.print(f"  {s:>5} shared, {engine:<10}: {cells}")
     return results
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def _mib(n: float | None) -> str:
