@@ -93,9 +93,11 @@ def rows_of(sweep_dir: Path) -> dict:
 
 
 def method_work_s(r) -> float:
-    """A request's method work before its prefill: the wall time of materializing its shared
-    segments (gate, correction, alignment; on vLLM measured in the worker), 0 for a dense segment."""
-    return sum(s.materialize_s or 0.0 for s in r.segments if s.kind == "PH")
+    """A request's reuse work: the wall time of materializing its shared segments served from a
+    reused cache (gate, correction, alignment; on vLLM measured in the worker). Dense segments are
+    left out: in-process their time is the prefill itself (the gate's share of a rejected one is
+    not split from it)."""
+    return sum(s.materialize_s or 0.0 for s in r.segments if s.kind == "PH" and s.status != "exact")
 
 
 def ratios(by: dict, methods: list[str]) -> dict | None:
@@ -203,10 +205,13 @@ def main(argv: list[str] | None = None) -> int:
                 append_header(r / "command.txt", argv)
             results = report(console, r, lengths, methods)
             memory = worker_memory(console, r, lengths, methods)
+            thread = method_thread(console, r, lengths, methods)
         except BenchError as exc:
             print(f"serve_sweep_vllm: error: {exc}", file=sys.stderr)
             return 2
-        write_comparison(r / "comparison.json", argv, {"results": results, "worker_memory": memory})
+        write_comparison(
+            r / "comparison.json", argv, {"results": results, "worker_memory": memory, "method_thread": thread}
+        )
         every.append(results)
     if len(roots) > 1:
         if not args.report_only:
@@ -239,8 +244,9 @@ def report(console, root: Path, lengths: list[int], methods: list[str]) -> dict:
             cells = "  ".join(f"{m} p50 {r[m]['p50_ratio']:.2f}x p90 {r[m]['p90_ratio']:.2f}x" for m in methods[1:])
             console.print(f"  {s:>5} shared, {engine:<10} at QPS {r['qps']:.3g}: {cells}")
     console.print(
-        "At that QPS, per method: realized rho, share of requests with a dense fallback, and the mean method "
-        "work per request before its prefill (materializing the shared segments: gate, correction, alignment)"
+        "At that QPS, per method: realized rho, share of requests with a dense fallback, and the mean reuse "
+        "work per request (materializing the shared segments served from a reused cache: gate, correction, "
+        "alignment)"
     )
     for s, per in results.items():
         for engine, r in per.items():
@@ -257,6 +263,48 @@ def report(console, root: Path, lengths: list[int], methods: list[str]) -> dict:
 
 def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -> dict:
+    """Per shared length, method and QPS point > 0, the busy seconds of the vLLM worker's method
+    thread during the point (every job it ran: planning, gate and correction, chaining, anchor
+    updates after dense fallbacks, records), per request and as a share of the point's makespan.
+    The worker's ``method_work_s`` is cumulative over the server's life; a point's figure is its
+    report's minus the previous report's (a method's first point, QPS 0, also holds its warm-up, so
+    it is not printed). The thread runs its jobs one at a time in arrival order, so a plan waits
+    behind other requests' anchor updates."""
+    console.print(
+        "vLLM worker's method thread at each QPS point > 0: busy seconds (all its jobs), per request, and as a "
+        "share of the point's makespan"
+    )
+    out: dict = {}
+    for s in lengths:
+        cfg_path = root / str(s) / "vllm" / "config.json"
+        points = (
+            json.loads(cfg_path.read_text()).get("backend_config", {}).get("worker_reports")
+            if cfg_path.is_file()
+            else None
+        )
+        if not points or any(p.get("method_work_s") is None for p in points):
+            console.print(f"  {s:>5} shared: no method-thread figures in {cfg_path}")
+            continue
+        rows = rows_of(root / str(s) / "vllm")
+        for prev, p in zip(points, points[1:]):
+            if p["method"] not in methods or not p["qps"] or (p["method"], p["qps"]) not in rows:
+                continue
+            row = rows[(p["method"], p["qps"])]
+            busy = p["method_work_s"] - prev["method_work_s"]
+            fig = {
+                "busy_s": busy,
+                "per_request_s": busy / row["n_requests"],
+                "busy_share": busy / row["makespan_s"] if row["makespan_s"] else None,
+            }
+            out.setdefault(str(s), {}).setdefault(p["method"], {})[str(p["qps"])] = fig
+            console.print(
+                f"  {s:>5} shared, {p['method']:<12} QPS {p['qps']:.3g}: busy {busy:.2f} s, "
+                f"{fig['per_request_s']:.3f} s per request, {_fmt(fig['busy_share'], '.0%')} of the makespan"
+            )
+    return out
 
 
 def _mib(n: float | None) -> str:
