@@ -265,6 +265,15 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def worker_reports(root: Path, shared: int) -> tuple[Path, list | None]:
+    """The vLLM sweep's ``config.json`` at one shared length and its worker reports (one per QPS
+    point; None when the file or the figures are missing)."""
+    cfg_path = root / str(shared) / "vllm" / "config.json"
+    if not cfg_path.is_file():
+        return cfg_path, None
+    return cfg_path, json.loads(cfg_path.read_text()).get("backend_config", {}).get("worker_reports")
+
+
 def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -> dict:
     """Per shared length, method and QPS point > 0, the busy seconds of the vLLM worker's method
     thread during the point (every job it ran: planning, gate and correction, chaining, anchor
@@ -279,12 +288,7 @@ def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -
     )
     out: dict = {}
     for s in lengths:
-        cfg_path = root / str(s) / "vllm" / "config.json"
-        points = (
-            json.loads(cfg_path.read_text()).get("backend_config", {}).get("worker_reports")
-            if cfg_path.is_file()
-            else None
-        )
+        cfg_path, points = worker_reports(root, s)
         if not points or any(p.get("method_work_s") is None for p in points):
             console.print(f"  {s:>5} shared: no method-thread figures in {cfg_path}")
             continue
@@ -323,12 +327,7 @@ def worker_memory(console, root: Path, lengths: list[int], methods: list[str]) -
     )
     out: dict = {}
     for s in lengths:
-        cfg_path = root / str(s) / "vllm" / "config.json"
-        points = (
-            json.loads(cfg_path.read_text()).get("backend_config", {}).get("worker_reports")
-            if cfg_path.is_file()
-            else None
-        )
+        cfg_path, points = worker_reports(root, s)
         if not points:
             console.print(f"  {s:>5} shared: no worker figures in {cfg_path} (measured before they were recorded)")
             continue
