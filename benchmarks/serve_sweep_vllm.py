@@ -77,7 +77,7 @@ def rows_of(sweep_dir: Path) -> dict:
     """(method, qps) -> summary row, recomputed from ``requests.jsonl`` with the current metrics
     (so ``--report-only`` re-reads an older run with today's saturation rule)."""
     from kvcmas_bench.results.request import RequestRecord
-    from kvcmas_bench.serving.metrics import mark_saturation, sweep_row
+    from kvcmas_bench.serving.metrics import mark_saturation, reuse_work_s, sweep_row
 
     groups: dict = {}
     for line in (sweep_dir / "requests.jsonl").read_text().splitlines():
@@ -86,18 +86,10 @@ def rows_of(sweep_dir: Path) -> dict:
     rows = []
     for (m, s, q), recs in groups.items():
         row = sweep_row(m, s, q, recs)
-        row["work_mean_s"] = sum(method_work_s(r) for r in recs) / len(recs)
+        row["work_mean_s"] = sum(reuse_work_s(r) for r in recs) / len(recs)  # on vLLM: in the worker
         rows.append(row)
     mark_saturation(rows)
     return {(r["method"], r["qps"]): r for r in rows}
-
-
-def method_work_s(r) -> float:
-    """A request's reuse work: the wall time of materializing its shared segments served from a
-    reused cache (gate, correction, alignment; on vLLM measured in the worker). Dense segments are
-    left out: in-process their time is the prefill itself (the gate's share of a rejected one is
-    not split from it)."""
-    return sum(s.materialize_s or 0.0 for s in r.segments if s.kind == "PH" and s.status != "exact")
 
 
 def ratios(by: dict, methods: list[str]) -> dict | None:

@@ -173,6 +173,13 @@ def dense_fallback(r: RequestRecord) -> bool:
     return any(s.kind == "PH" and s.eligible and s.status == "exact" for s in r.segments)
 
 
+def reuse_work_s(r: RequestRecord) -> float:
+    """The wall time of materializing the request's shared segments served from a reused cache
+    (gate, correction, alignment); dense segments are left out (in-process their time is the
+    prefill itself)."""
+    return sum(s.materialize_s or 0.0 for s in r.segments if s.kind == "PH" and s.status != "exact")
+
+
 def request_parts(served: Sequence[RequestRecord]) -> list[dict]:
     """Per request of one served timeline: its TTFT and the parts of :data:`TTFT_PARTS` (seconds).
     Only queue and service unless every request has an isolated service time (replayed on the
@@ -200,7 +207,7 @@ def request_parts(served: Sequence[RequestRecord]) -> list[dict]:
         }
         if replayed:  # served for real, the method's work (planning) precedes submission: not split
             dense = sum(s.materialize_s or 0.0 for s in r.segments if s.kind == "PH" and s.status == "exact")
-            reuse = sum(s.materialize_s or 0.0 for s in r.segments if s.kind == "PH" and s.status != "exact")
+            reuse = reuse_work_s(r)
             part.update(service_shared_dense=dense, service_shared_reuse=reuse, service_other=service - dense - reuse)
         out.append(part)
     return out
