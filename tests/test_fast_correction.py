@@ -11,7 +11,15 @@ from kvcmas_bench.engine import Request, Segment
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import AnchorPool, stack_b
 from kvcmas_bench.ops.kvmath import relative_error, shift_keys
-from kvcmas_bench.ops.lowrank import rows_to_keys, shift_to_rows, to_rows, truncated_svd, truncated_svd_gram
+from kvcmas_bench.ops.lowrank import (
+    HeadMajorRows,
+    rows_to_keys,
+    shift_to_rows,
+    to_rows,
+    token_sqnorms,
+    truncated_svd,
+    truncated_svd_gram,
+)
 
 from .conftest import rand_ids
 from .slow_reference import reference_correction
@@ -111,6 +119,26 @@ def test_fused_rotation_layouts_equal_rotate_then_permute():
     assert torch.allclose(rows, to_rows(shift_keys(k, -11, inv)), atol=1e-6)
     back = rows_to_keys(rows, 11, inv, 2, torch.float32)
     assert back.is_contiguous() and torch.allclose(back, k, atol=1e-5)
+
+
+def test_head_major_rows_are_the_row_layout_block_by_block():
+    """``HeadMajorRows(x)[:, s:e]`` is row ``t`` = the heads of token ``t`` side by side, written by
+    hand on a 1-layer, 2-head, 3-token, head_dim-2 cache; other keys are refused."""
+    x = torch.arange(12, dtype=torch.float32).view(1, 2, 3, 2)  # head 0: tokens [0,1] [2,3] [4,5]; head 1: [6,7] ...
+    rows = HeadMajorRows(x)
+    assert rows.shape == (1, 3, 4)
+    expected = torch.tensor([[[2.0, 3.0, 8.0, 9.0], [4.0, 5.0, 10.0, 11.0]]])
+    got = rows[:, 1:3]
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+    got.add_(1.0)  # a copy: the cache is untouched
+    assert float(x[0, 0, 1, 0]) == 2.0
+    with pytest.raises(IndexError):
+        rows[0, 1:3]
+
+
+def test_token_sqnorms_sum_over_layers_and_features():
+    x = torch.tensor([[[1.0, 2.0], [3.0, 0.0]], [[0.0, 1.0], [2.0, 2.0]]])  # 2 layers, 2 tokens, D = 2
+    assert torch.equal(token_sqnorms(x), torch.tensor([1.0 + 4.0 + 0.0 + 1.0, 9.0 + 0.0 + 4.0 + 4.0]))
 
 
 def test_correction_never_writes_into_the_source_cache(engine):

@@ -20,6 +20,7 @@ For the correction's GEMMs the small ``B`` factors of the entries in use are sta
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -159,6 +160,11 @@ class FactorStack:
     @property
     def lowrank(self) -> bool:
         return self.b_all is not None
+
+    @functools.cached_property
+    def b_t(self) -> torch.Tensor:
+        """``B_all^T`` (``[layers, D, sum r_v]``), contiguous: the distance GEMM's operand."""
+        return self.b_all.transpose(1, 2).contiguous()
 
     @property
     def ranks(self) -> list[int]:

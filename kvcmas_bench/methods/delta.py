@@ -22,6 +22,7 @@ import torch
 from ..engine import SegmentContext, SegmentKV
 from ..ops.gate import DEFAULT_GATE_TEMPERATURE, GATES, gate_scores
 from ..ops.lowrank import (
+    HeadMajorRows,
     from_rows,
     gate_entropy,
     lowrank_apply,
@@ -31,6 +32,7 @@ from ..ops.lowrank import (
     rows_to_keys,
     shift_to_rows,
     sparse_apply,
+    token_sqnorms,
     token_weights,
 )
 from .anchors import Anchor, AnchorPool, FactorStack, instance_key, total_layout
@@ -144,8 +146,8 @@ class OnlineDeltaCorrection(Method):
         if ref is None:
             return ctx.dense()
         inv = ctx.engine.inv_freq
-        ref_k = shift_to_rows(ref.k, -ref.start, inv)  # canonical (position-0) keys, row layout, float32
-        ref_v = rows_copy(ref.v)
+        # row layout, float32, block by block where read (keys made canonical there too)
+        ref_v = HeadMajorRows(ref.v)
         pool = self.pools.setdefault(ctx.slot, AnchorPool(self.anchors))
         if ctx.forced == "dense":  # a controlled reuse ratio (serve-sweep --rho): this one falls back
             decision = None
@@ -155,7 +157,7 @@ class OnlineDeltaCorrection(Method):
                 pool, ctx.consumer, ref_v, ctx.length, ctx.details, force=ctx.forced == "reuse", shards=ctx
             )
         if decision is not None:
-            kv = self.correct(ctx, decision, ref_k, ref_v, ref)
+            kv = self.correct(ctx, decision, ref, ref_v)
             if kv is not None:
                 self._count("accepted")
                 return kv
@@ -166,7 +168,18 @@ class OnlineDeltaCorrection(Method):
         self._count("dense_fallback")
         exact = ctx.dense()
         instance, source_key = instance_key(ctx.segment.ids, ctx.segment.content_key), (ref.uid,)
-        ctx.defer(lambda: self.insert(pool, instance, source_key, ref_k, ref_v, ctx.consumer, exact, inv))
+        ctx.defer(
+            lambda: self.insert(
+                pool,
+                instance,
+                source_key,
+                shift_to_rows(ref.k, -ref.start, inv),
+                rows_copy(ref.v),
+                ctx.consumer,
+                exact,
+                inv,
+            )
+        )
         return exact
 
     @property
@@ -184,7 +197,7 @@ class OnlineDeltaCorrection(Method):
         self,
         pool: AnchorPool,
         consumer: str,
-        ref_v: torch.Tensor,
+        ref_v: torch.Tensor | HeadMajorRows,
         S: int,
         details: dict | None = None,
         force: bool = False,
@@ -259,9 +272,9 @@ class OnlineDeltaCorrection(Method):
         full-dimensional ones."""
         t = x.shape[1]
         if stack.lowrank:
-            x_sq = torch.linalg.vector_norm(x, dim=(0, 2)).square_()
+            x_sq = token_sqnorms(x)
             return lowrank_token_sqdist(
-                x, x_sq, stack.a_rows(start, t), stack.sq_rows(start, t), stack.b_all, stack.ranks
+                x, x_sq, stack.a_rows(start, t), stack.sq_rows(start, t), stack.b_t, stack.ranks
             )
         return torch.stack([(x - r.float()).square().sum(dim=(0, 2)) for r in stack.rows(start, t)])
 
@@ -299,30 +312,35 @@ class OnlineDeltaCorrection(Method):
         self,
         ctx: SegmentContext,
         dec: GateDecision,
-        ref_k: torch.Tensor,
-        ref_v: torch.Tensor,
-        ref: SegmentKV | None = None,
+        ref: SegmentKV,
+        ref_v: torch.Tensor | HeadMajorRows,
     ) -> SegmentKV | None:
         """``align(C_ref) + sum_v w_v A_v B_v`` on the covered prefix, aligned rows beyond it.
 
-        Block by block of :attr:`block_tokens` rows, K then V: the block's token weights, its
-        weighted deltas, and its corrected rows written straight into the new K/V in the engine's
-        layout (keys rotated to the segment's positions). ``ref_k``/``ref_v`` stay as they are: a
-        NaN/inf correction returns None and they serve the dense fallback's anchor.
+        Block by block of :attr:`block_tokens` rows, K then V: the block's canonical reference rows
+        (keys rotated to position 0 here, block by block), its token weights, its weighted deltas, and
+        its corrected rows written straight into the new K/V in the engine's layout (keys rotated to
+        the segment's positions). ``ref``/``ref_v`` stay as they are: a NaN/inf correction returns
+        None and they serve the dense fallback's anchor.
         """
         k, engine = dec.k, ctx.engine
         consumer = ctx.consumer
-        L, S, D = ref_k.shape
+        inv = engine.inv_freq
+        L, S, D = ref_v.shape
         shape = (L, engine.n_kv, S, D // engine.n_kv)
-        out = {p: torch.empty(shape, dtype=engine.dtype, device=ref_k.device) for p in "kv"}
+        out = {p: torch.empty(shape, dtype=engine.dtype, device=ref_v.device) for p in "kv"}
         stacks = {
             p: (FactorStack.of(dec.anchors, consumer, f"base_{p}"), FactorStack.of(dec.anchors, consumer, f"delta_{p}"))
             for p in "kv"
         }
         kept, dropped = {"k": 0.0, "v": 0.0}, 0.0
         for start, n in self.blocks(k):
-            for p, rows in (("k", ref_k), ("v", ref_v)):
-                x = rows[:, start : start + n]
+            for p in "kv":
+                x = (
+                    shift_to_rows(ref.k[:, :, start : start + n], -ref.start, inv)
+                    if p == "k"
+                    else ref_v[:, start : start + n]
+                )
                 bases, deltas = stacks[p]
                 sq = dec.sqdist_v[:, start : start + n] if p == "v" and dec.sqdist_v is not None else None
                 w = token_weights(self.token_distance(bases, x, start, sq, ctx), self.temperature)
@@ -336,10 +354,9 @@ class OnlineDeltaCorrection(Method):
                     return None
                 kept[p] += float(keep.float().sum())
                 dropped = max(dropped, float(mass.max()) if mass.numel() else 0.0)
-                corrected = corr.add_(x) if corr.dtype == x.dtype else torch.add(x, corr)
-                self._write(ctx, out[p], p, corrected, start)
+                self._write(ctx, out[p], p, x, start, corr)
         if k < S:  # rows beyond the covered prefix: the aligned reference
-            self._write(ctx, out["k"], "k", ref_k[:, k:], k)
+            self._write(ctx, out["k"], "k", shift_to_rows(ref.k[:, :, k:], -ref.start, inv), k)
             self._write(ctx, out["v"], "v", ref_v[:, k:], k)
         # anchors applied per token (mean over tokens, K then V) and the largest dropped weight mass
         ctx.details.update(
@@ -351,15 +368,27 @@ class OnlineDeltaCorrection(Method):
         return kv
 
     @staticmethod
-    def _write(ctx: SegmentContext, out: torch.Tensor, part: str, rows: torch.Tensor, start: int) -> None:
+    def _write(
+        ctx: SegmentContext,
+        out: torch.Tensor,
+        part: str,
+        rows: torch.Tensor,
+        start: int,
+        corr: torch.Tensor | None = None,
+    ) -> None:
         """Rows ``start ..`` of ``out`` (``[layers, kv_heads, S, hd]``) from canonical row-layout
-        ``rows``: keys rotated to the segment's positions, values as they are."""
+        ``rows`` (plus ``corr``, the correction, when given): keys rotated to the segment's
+        positions, values as they are (their sum written straight into ``out``)."""
         engine = ctx.engine
         dst = out[:, :, start : start + rows.shape[1]]
         if part == "k":
+            if corr is not None:
+                rows = corr.add_(rows) if corr.dtype == rows.dtype else torch.add(rows, corr)
             rows_to_keys(rows, ctx.start, engine.inv_freq, engine.n_kv, out.dtype, out=dst)
-        else:
+        elif corr is None:
             dst.copy_(from_rows(rows, engine.n_kv))
+        else:
+            torch.add(from_rows(rows, engine.n_kv), from_rows(corr, engine.n_kv), out=dst)
 
     @staticmethod
     def weighted_delta(stack: FactorStack, w: torch.Tensor, start: int = 0) -> torch.Tensor:
