@@ -77,6 +77,7 @@ def rows_of(sweep_dir: Path) -> dict:
     """(method, qps) -> summary row, recomputed from ``requests.jsonl`` with the current metrics
     (so ``--report-only`` re-reads an older run with today's saturation rule)."""
     from kvcmas_bench.results.request import RequestRecord
+    from kvcmas_bench.results.stats import percentile
     from kvcmas_bench.serving.metrics import mark_saturation, reuse_work_s, sweep_row
 
     groups: dict = {}
@@ -87,6 +88,8 @@ def rows_of(sweep_dir: Path) -> dict:
     for (m, s, q), recs in groups.items():
         row = sweep_row(m, s, q, recs)
         row["work_mean_s"] = sum(reuse_work_s(r) for r in recs) / len(recs)  # on vLLM: in the worker
+        waits = [r.plan_wait_s for r in recs if r.plan_wait_s is not None]  # vLLM runs since the field exists
+        row["plan_wait_p50_s"], row["plan_wait_p90_s"] = percentile(waits, 50), percentile(waits, 90)
         rows.append(row)
     mark_saturation(rows)
     return {(r["method"], r["qps"]): r for r in rows}
@@ -272,11 +275,12 @@ def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -
     updates after dense fallbacks, records), per request and as a share of the point's makespan.
     The worker's ``method_work_s`` is cumulative over the server's life; a point's figure is its
     report's minus the previous report's (a method's first point, QPS 0, also holds its warm-up, so
-    it is not printed). The thread runs its jobs one at a time in arrival order, so a plan waits
-    behind other requests' anchor updates."""
+    it is not printed). The thread runs its jobs one at a time, plans first (``worker.Jobs``); a
+    request's plan wait (p50/p90, from its record) is the time the thread spent on other jobs
+    after the worker heard of it (runs before the field existed print "-")."""
     console.print(
         "vLLM worker's method thread at each QPS point > 0: busy seconds (all its jobs), per request, and as a "
-        "share of the point's makespan"
+        "share of the point's makespan; requests' plan wait p50/p90"
     )
     out: dict = {}
     for s in lengths:
@@ -294,11 +298,14 @@ def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -
                 "busy_s": busy,
                 "per_request_s": busy / row["n_requests"],
                 "busy_share": busy / row["makespan_s"] if row["makespan_s"] else None,
+                "plan_wait_p50_s": row.get("plan_wait_p50_s"),
+                "plan_wait_p90_s": row.get("plan_wait_p90_s"),
             }
             out.setdefault(str(s), {}).setdefault(p["method"], {})[str(p["qps"])] = fig
             console.print(
                 f"  {s:>5} shared, {p['method']:<12} QPS {p['qps']:.3g}: busy {busy:.2f} s, "
-                f"{fig['per_request_s']:.3f} s per request, {_fmt(fig['busy_share'], '.0%')} of the makespan"
+                f"{fig['per_request_s']:.3f} s per request, {_fmt(fig['busy_share'], '.0%')} of the makespan; "
+                f"plan wait {_fmt(fig['plan_wait_p50_s'], '.3f')} / {_fmt(fig['plan_wait_p90_s'], '.3f')} s"
             )
     return out
 

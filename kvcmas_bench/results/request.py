@@ -104,6 +104,9 @@ class RequestRecord:
     queue_s: float | None = None
     service_ttft_s: float | None = None
     service_e2e_s: float | None = None
+    #: --engine vllm: seconds from the worker hearing of the request to its plan starting (the
+    #: worker's method thread busy with other jobs meanwhile)
+    plan_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         self.segments = [s if isinstance(s, SegmentRecord) else SegmentRecord.from_dict(s) for s in self.segments]

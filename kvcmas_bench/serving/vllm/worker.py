@@ -13,7 +13,8 @@ evicted least-recently-used beyond a byte budget), the agents' system-prompt K/V
 context-free references (captured by prefill-only requests the client sends once per content).
 Every piece of method work (planning a request: gate, correction, re-alignment; anchor updates
 after a dense prefill; chaining and the request's record at its end) runs in one background
-thread, in arrival order, so it never runs inside an engine step: a request whose plan is not
+thread (:class:`Jobs`: plans first, everything else in arrival order, each trajectory's own jobs in
+order), so it never runs inside an engine step: a request whose plan is not
 ready is simply not scheduled yet (``get_num_new_matched_tokens`` answers None), and the other
 requests keep stepping. Requests of a method with nothing to plan (NonShared,
 :func:`waits_for_plan`) are never held: the scheduler side answers 0 at once, vLLM serves them as
@@ -25,12 +26,12 @@ plan code.
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
 import traceback
 import zlib
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from ...engine import Request, Segment, SegmentKV
@@ -110,6 +111,10 @@ def params_of(request) -> dict | None:
     return meta if isinstance(meta, dict) and meta.get("v") == VERSION else None
 
 
+def _traj_key(meta: dict) -> tuple:
+    return (meta.get("session"), meta.get("trajectory"))
+
+
 def waits_for_plan(meta: dict) -> bool:
     """Whether the scheduler side holds this request until the worker has planned it: agents of a
     method that plans (reuses, corrects or captures K/V). NonShared leaves every segment to vLLM, so
@@ -162,6 +167,49 @@ class Live:
     error: str | None = None
     #: the scheduler side waits for this request's claim (:func:`waits_for_plan`)
     waits: bool = True
+    #: when the worker heard of it (``time.perf_counter``), and how long its plan waited for the
+    #: method thread after that (other jobs ahead of it)
+    arrived: float = field(default_factory=time.perf_counter)
+    plan_wait_s: float | None = None
+
+
+class Jobs:
+    """The method thread's queue. A plan (``urgent``: a request is held until it is in) runs before
+    background work (anchor updates, chaining, records, reports), except the background jobs of its
+    own trajectory queued before it, which run first: an agent is planned on its predecessors'
+    chained caches. Everything else keeps arrival order. Plans thus no longer wait behind other
+    trajectories' anchor factorizations; a plan may see a pool without the anchors those would have
+    added (as it would had it arrived earlier). ``prioritize=False``: one FIFO queue (tensor
+    parallelism: every rank must run its jobs in the same order, whatever their timing)."""
+
+    def __init__(self, prioritize: bool = True):
+        self.prioritize = prioritize
+        self._cv = threading.Condition()
+        self._urgent: deque = deque()
+        self._background: deque = deque()
+        self._seq = 0
+
+    def put(self, fn: Callable[[], None] | None, urgent: bool = False, trajectory: Hashable = None) -> None:
+        with self._cv:
+            self._seq += 1
+            (self._urgent if urgent and self.prioritize else self._background).append((self._seq, trajectory, fn))
+            self._cv.notify()
+
+    def get(self) -> Callable[[], None] | None:
+        """The next job (None: stop), blocking until there is one."""
+        with self._cv:
+            while not self._urgent and not self._background:
+                self._cv.wait()
+            if self._urgent:
+                seq, traj, fn = self._urgent[0]
+                for i, (s, t, job) in enumerate(self._background):
+                    if s > seq:
+                        break
+                    if t is not None and t == traj:
+                        del self._background[i]
+                        return job
+                return self._urgent.popleft()[2]
+            return self._background.popleft()[2]
 
 
 @dataclass
@@ -197,7 +245,7 @@ class WorkerRuntime:
         self.claims: dict[str, int] = {}
         self.answers: dict[str, list] = {}
         self.errors: dict[str, str] = {}
-        self.jobs: queue.Queue = queue.Queue()
+        self.jobs = Jobs(prioritize=self.shards is None or self.shards.world <= 1)
         self.busy_s = 0.0
         #: the most :meth:`held_bytes` since the previous report (:meth:`_note_held`)
         self.held_peak = 0
@@ -206,8 +254,6 @@ class WorkerRuntime:
 
     # ---- the background thread -----------------------------------------------------------------
     def _loop(self) -> None:
-        import time
-
         while True:
             fn = self.jobs.get()
             if fn is None:
@@ -219,8 +265,10 @@ class WorkerRuntime:
                 traceback.print_exc()
             self.busy_s += time.perf_counter() - t0
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        self.jobs.put(fn)
+    def submit(self, fn: Callable[[], None], urgent: bool = False, trajectory: Hashable = None) -> None:
+        """Queue method work (:class:`Jobs`): ``urgent`` for a plan, ``trajectory`` (session,
+        trajectory) for work whose order within its trajectory matters."""
+        self.jobs.put(fn, urgent, trajectory)
 
     def drain(self) -> None:
         """Wait until every queued job ran (tests)."""
@@ -258,10 +306,11 @@ class WorkerRuntime:
             return
         with self.lock:
             self.live[req_id] = Live(meta, waits=waits_for_plan(meta))
-        self.submit(lambda: self._plan(req_id, meta, prompt))
+        self.submit(lambda: self._plan(req_id, meta, prompt), urgent=True, trajectory=_traj_key(meta))
 
     def _plan(self, req_id: str, meta: dict, prompt: list[int]) -> None:
         live = self.live[req_id]
+        live.plan_wait_s = time.perf_counter() - live.arrived
         sess = traj = plan = None
         claim, error, outcome = 0, None, ""
         try:
@@ -337,7 +386,7 @@ class WorkerRuntime:
         agent = live.trajectory.agent
         if agent is not None and all(c.complete for c in agent.captures):
             live.prompt_done = True
-            self.submit(lambda: live.trajectory.first_token(0.0, None))
+            self.submit(lambda: live.trajectory.first_token(0.0, None), trajectory=_traj_key(live.meta))
 
     def finished(self, req_id: str, output: list[int]) -> None:
         """The request completed with ``output`` tokens: chain its caches and write its record."""
@@ -348,7 +397,7 @@ class WorkerRuntime:
             with self.lock:
                 self.live.pop(req_id, None)
             return
-        self.submit(lambda: self._finish(req_id, live, list(output)))
+        self.submit(lambda: self._finish(req_id, live, list(output)), trajectory=_traj_key(live.meta))
 
     def _finish(self, req_id: str, live: Live, output: list[int]) -> None:
         with self.lock:
@@ -371,6 +420,7 @@ class WorkerRuntime:
             traceback.print_exc()
             rec = {"error": f"{type(exc).__name__}: {exc}"}
         rec["kvcmas_key"] = meta["key"]
+        rec["plan_wait_s"] = live.plan_wait_s
         sess.reports.append(rec)
         self._note_held()  # the agent's caches are chained: the trajectory holds the most now
         if meta.get("last"):
