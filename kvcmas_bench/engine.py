@@ -153,6 +153,40 @@ class KVCache:
         return SegmentKV(k=self.k[:, :, start:end].clone(), v=self.v[:, :, start:end].clone(), start=start, **meta)
 
 
+class CacheRows:
+    """The cache rows a partial forward computes (absolute positions, any order) and the causal
+    mask of their queries over every row up to the last one: the attention step every engine that
+    runs layers over a :class:`KVCache` shares."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions
+        T = positions.numel()
+        self.p0, self.p1 = int(positions[0]), int(positions[-1])
+        self.contiguous = self.p1 - self.p0 + 1 == T and bool((positions.diff() == 1).all()) if T > 1 else True
+        self.kmax = int(positions.max()) + 1
+        self.mask = None
+        if T > 1 or self.kmax > self.p1 + 1:
+            key_pos = torch.arange(self.kmax, device=positions.device)
+            self.mask = key_pos[None, :] <= positions[:, None]
+
+    def attend(
+        self, cache: KVCache, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, probe=None
+    ) -> torch.Tensor:
+        """Write layer ``li``'s ``k``/``v`` (``[1, kv_heads, T, D]``) at these rows, then attend ``q``
+        (``[1, heads, T, D]``) causally over rows ``[0, kmax)``; returns ``[1, heads, T, D]``."""
+        if self.contiguous:
+            cache.k[li, :, self.p0 : self.p1 + 1] = k[0]
+            cache.v[li, :, self.p0 : self.p1 + 1] = v[0]
+        else:
+            cache.k[li][:, self.positions] = k[0]
+            cache.v[li][:, self.positions] = v[0]
+        K = cache.k[li, :, : self.kmax][None]
+        V = cache.v[li, :, : self.kmax][None]
+        if probe is not None:
+            probe(li, q, K, self.mask, scale)
+        return F.scaled_dot_product_attention(q, K, V, attn_mask=self.mask, scale=scale, enable_gqa=True)
+
+
 @dataclass
 class RequestResult:
     agent: str
@@ -477,15 +511,9 @@ class Engine:
         kept: dict[int, torch.Tensor] = {}
         positions = positions.to(self.device)
         T = positions.numel()
-        p0, p1 = int(positions[0]), int(positions[-1])
-        contiguous = p1 - p0 + 1 == T and bool((positions.diff() == 1).all()) if T > 1 else True
-        kmax = int(positions.max()) + 1
+        rows = CacheRows(positions)
         cos, sin = self.rotary(h, positions[None])
         cos, sin = cos[:, None], sin[:, None]
-        mask = None
-        if T > 1 or kmax > p1 + 1:
-            key_pos = torch.arange(kmax, device=self.device)
-            mask = key_pos[None, :] <= positions[:, None]
         for li in layers:
             layer = self.layers[li]
             if li in keep:
@@ -497,21 +525,11 @@ class Engine:
             v = attn.v_proj(x).view(1, T, -1, self.head_dim).transpose(1, 2)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            if contiguous:
-                cache.k[li, :, p0 : p1 + 1] = k[0]
-                cache.v[li, :, p0 : p1 + 1] = v[0]
-            else:
-                cache.k[li][:, positions] = k[0]
-                cache.v[li][:, positions] = v[0]
-            K = cache.k[li, :, :kmax][None]
-            V = cache.v[li, :, :kmax][None]
-            if attn_probe is not None:
-                attn_probe(li, q, K, mask, attn.scaling)
-            out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+            out = rows.attend(cache, li, q, k, v, attn.scaling, attn_probe)
             out = attn.o_proj(out.transpose(1, 2).reshape(1, T, -1))
             h = h + out
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        cache.length = max(cache.length, kmax)
+        cache.length = max(cache.length, rows.kmax)
         return h, kept
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -267,11 +267,23 @@ def test_served_timelines_take_their_utilization_from_the_single_stream():
 
 # ---- refusals before anything loads ------------------------------------------------------------
 def test_recomputation_methods_are_refused_on_vllm_before_anything_loads(tmp_path, capsys):
+    """DroidSpeak and RelayCaching enter layers with the source's hidden states (no vLLM engine has
+    them); CacheBlend's partial forwards run only in the server's worker, so the in-process vLLM
+    engine refuses it and the server does not."""
+    from kvcmas_bench.methods.knobs import method_class
+    from kvcmas_bench.serving.vllm.http import why_not_http
+
     for engine in ("vllm", "vllm-inprocess"):
-        for m in ("cacheblend", "droidspeak", "relaycaching", "nonshared,relaycaching"):
+        for m in ("droidspeak", "relaycaching", "nonshared,relaycaching"):
             assert run_cli(["serve-sweep", "--engine", engine, "--method", m, "-o", str(tmp_path / "x")]) == 2
             err = capsys.readouterr().err
-            assert "cannot run" in err and "layer by layer" in err
+            assert "cannot run" in err and "hidden states" in err
+    assert (
+        run_cli(["serve-sweep", "--engine", "vllm-inprocess", "--method", "cacheblend", "-o", str(tmp_path / "x")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "cannot run" in err and "only --engine vllm runs" in err
+    assert why_not_http(method_class("cacheblend")) is None
     assert run_cli(["serve-sweep", "--engine", "vllm", "--method", "graphflow", "-o", str(tmp_path / "x")]) == 2
     assert "calibration" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

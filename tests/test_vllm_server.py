@@ -366,6 +366,65 @@ def test_a_rejected_gate_falls_back_to_dense_and_reproduces_nonshared(srv):
         assert recs[i].first_token_id == ns[i].first_token_id and _same(lps[i], ns_lp[i])
 
 
+def _shared(rec):
+    return [s for s in rec.segments if s.kind == "PH"]
+
+
+@needs_vllm
+def test_cacheblend_recomputing_every_token_reproduces_nonshared(srv):
+    """rho = 0 selects every token: the worker's partial forwards on vLLM's modules are a dense
+    prefill of the whole prompt, handed to vLLM as its prefix, so every agent's first token and
+    logprobs are NonShared's; and only the last prompt token (plus the private ones the worker
+    prefilled) counts as prefilled."""
+    tr = _traces(srv, 1, ctx=100, seed=14)[0]
+    ns, ns_lp, _ = _run(srv, tr, _spec("nonshared"))
+    cb, lps, _ = _run(srv, tr, _spec("cacheblend", rho=0.0, check_layer=0))
+    assert [r.first_token_id for r in cb] == [r.first_token_id for r in ns]
+    for j in range(len(tr.agents)):
+        assert _same(lps[j], ns_lp[j], tol=1e-3)
+    later = [s for r in cb[1:] for s in _shared(r)]
+    assert later and all(s.status == "recomputed" and s.details["vllm"] == "prefix" for s in later)
+    for r in cb[1:]:
+        # 2 layers x every shared token; the system prompt came from its capture, shared segments
+        # were recomputed, the rest (glue and tail) prefilled
+        assert r.recomputed_token_layers == 2 * sum(s.tokens for s in _shared(r))
+        sys_tokens = r.segments[0].tokens
+        assert r.prefilled_tokens == r.prompt_tokens - sys_tokens - sum(s.tokens for s in _shared(r))
+
+
+@needs_vllm
+def test_cacheblend_reusing_every_token_equals_fullshared(srv):
+    """rho = 1 selects nothing: the aligned source as FullShared serves it, nothing recomputed."""
+    tr = _traces(srv, 1, ctx=100, seed=15)[0]
+    fs, fs_lp, _ = _run(srv, tr, _spec("fullshared"))
+    cb, lps, _ = _run(srv, tr, _spec("cacheblend", rho=1.0))
+    assert [r.first_token_id for r in cb] == [r.first_token_id for r in fs]
+    for j in range(len(tr.agents)):
+        assert _same(lps[j], fs_lp[j], tol=1e-3)
+    assert all(r.recomputed_token_layers == 0 for r in cb)
+    assert [s.status for r in cb[1:] for s in _shared(r)] == [s.status for r in fs[1:] for s in _shared(r)]
+
+
+@needs_vllm
+def test_cacheblend_on_the_server_is_the_in_process_cacheblend(srv, tiny_dir):
+    """rho = 0.5 with the check at layer 0: the tokens the server's worker selects and recomputes
+    give the in-process engine's first tokens, and the recomputation counts are, per shared segment
+    of S tokens with a source, S at the check layer plus ceil(S / 2) at layer 1."""
+    from kvcmas_bench.serving import get_backend
+
+    tr = _traces(srv, 1, ctx=120, seed=16)[0]
+    served, _, _ = _run(srv, tr, _spec("cacheblend", rho=0.5, check_layer=0))
+    inproc = get_backend("in-process", model=tiny_dir, dtype="float32", warmup=False)
+    local = inproc.measure(tr, _spec("cacheblend", rho=0.5, check_layer=0)())
+    assert [r.first_token_id for r in served] == [r.first_token_id for r in local]
+    for a, b in zip(served, local):
+        assert [(s.status, s.recomputed_token_layers) for s in _shared(a)] == [
+            (s.status, s.recomputed_token_layers) for s in _shared(b)
+        ]
+    recomputed = [(s.tokens, s.recomputed_token_layers) for r in served[1:] for s in _shared(r)]
+    assert recomputed and all(n == S + math.ceil(S / 2) for S, n in recomputed)
+
+
 @needs_vllm
 def test_injected_kv_is_never_served_from_the_prefix_cache(srv):
     tr = _traces(srv, 1, ctx=128, seed=9)[0]

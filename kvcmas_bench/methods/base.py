@@ -71,8 +71,11 @@ class Method:
     #: residual-stream layers the engine keeps for agent outputs during decode (as sources)
     decode_hidden_layers: ClassVar[tuple[int, ...]] = ()
     #: needs partial forwards through the model's layers (selective recomputation): only engines
-    #: that expose their layers (the in-process one) can run it; others refuse it up front
+    #: that expose their layers (in-process; the vLLM server's worker) can run it; others refuse it
     needs_model_internals: ClassVar[bool] = False
+    #: enters layers with the source's residual stream (hidden states its prefill and decode kept):
+    #: engines whose forward exposes no hidden states (vLLM) refuse it
+    needs_source_hidden: ClassVar[bool] = False
     #: knobs whose None has a word of its own on the command line besides ``none`` (rank: ``full``)
     none_words: ClassVar[dict[str, str]] = {}
 

@@ -75,6 +75,7 @@ class DroidSpeak(Method):
     label, order, color = "DroidSpeak", 40, "C7"
     summary = "recompute all tokens in profiled contiguous layer groups from the source's hidden states"
     needs_model_internals = True
+    needs_source_hidden = True
     needs_calibration = True
 
     rho: float = 0.9

@@ -67,6 +67,7 @@ class RelayCaching(Method):
     label, order, color = "RelayCaching", 50, "C8"
     summary = "deviation x attention token selection recomputed in a profiled middle-layer range"
     needs_model_internals = True
+    needs_source_hidden = True
     needs_calibration = True
 
     rho: float = 0.9

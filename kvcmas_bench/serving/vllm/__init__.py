@@ -27,13 +27,20 @@ INSTALL_HINT = (
 )
 
 
-def why_not(method_cls) -> str | None:
-    """Methods these engines cannot run: selective recomputation (not implemented on vLLM)."""
-    if getattr(method_cls, "needs_model_internals", False):
+def why_not(method_cls, partial_forwards: bool = False) -> str | None:
+    """Methods these engines cannot run. Selective recomputation needs partial forwards through the
+    model, which only the server's worker runs (``partial_forwards``, :mod:`.layers`); methods that
+    also enter layers with the source's hidden states need what vLLM's forward never exposes."""
+    if getattr(method_cls, "needs_source_hidden", False):
         return (
-            "selective recomputation is not implemented on vLLM: it recomputes chosen tokens layer by layer "
-            "inside the model's forward (LMCache's blender patches vLLM's model for that), while this "
-            "connector only reads and writes vLLM's paged KV cache"
+            "it enters layers with the source's residual stream (hidden states), which vLLM's forward does "
+            "not expose: the connector sees K/V only, and agent outputs are decoded by vLLM"
+        )
+    if getattr(method_cls, "needs_model_internals", False) and not partial_forwards:
+        return (
+            "selective recomputation needs partial forwards through the model's layers, which only "
+            "--engine vllm runs (in vLLM's worker, on the model it serves); the in-process LLMEngine path "
+            "plans in the client, away from the model"
         )
     return None
 

@@ -57,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from .layers import MODEL_LOCK, LazyLayers
 from .layout import KVLayout, slots_at, slots_of
 from .plan import KEY, STORE, Capture, Plan  # noqa: F401  (Capture, Plan: re-exported for callers)
 from .tp import HeadShards, parallel_refusal
@@ -128,6 +129,7 @@ class KVCMASConnector(KVConnectorBase_V1):
         self._index: dict[str, int] = {}
         self._layouts: dict[str, KVLayout] = {}
         self._overrides: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._model_held = False
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
         self._budget = int(float(extra["budget_gib"]) * 2**30) if extra.get("budget_gib") else None
@@ -310,7 +312,12 @@ class KVCMASConnector(KVConnectorBase_V1):
         return lay
 
     def bind_connector_metadata(self, connector_metadata) -> None:
-        """Called before every forward pass: prepare this step's overrides (slots and rows)."""
+        """Called before every forward pass: prepare this step's overrides (slots and rows). The
+        engine step holds :data:`~.layers.MODEL_LOCK` from here to :meth:`wait_for_save`, so the
+        method thread's partial forwards never run vLLM's kernels beside the engine's."""
+        if not self._model_held:
+            MODEL_LOCK.acquire()
+            self._model_held = True
         super().bind_connector_metadata(connector_metadata)
         self._overrides = []
         if RUNTIME is not None:  # finished first: a trajectory's next agent may arrive in the same step
@@ -353,6 +360,14 @@ class KVCMASConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """After the forward pass: copy captured rows that are in the cache by now (computed in this
         step or an earlier one, or a prefix-cache hit) and not copied yet."""
+        try:
+            self._save()
+        finally:
+            if self._model_held:
+                self._model_held = False
+                MODEL_LOCK.release()
+
+    def _save(self) -> None:
         meta = self._get_connector_metadata()
         self._overrides = []
         for st in meta.steps:
@@ -384,4 +399,4 @@ def _runtime(vllm_config, device, budget: int | None) -> WorkerRuntime:
     n_kv = mc.get_num_kv_heads(vllm_config.parallel_config)
     shards = HeadShards.from_vllm(vllm_config)
     facts = model_facts(mc.hf_config, mc.dtype, device, n_kv=n_kv, keep_ready=True, shards=shards)
-    return WorkerRuntime(facts, eos_ids(mc.hf_config), budget)
+    return WorkerRuntime(facts, eos_ids(mc.hf_config), budget, layers=LazyLayers(vllm_config, facts))

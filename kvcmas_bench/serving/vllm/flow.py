@@ -11,9 +11,13 @@ of an agent's request *before* it is submitted, against a :class:`PlanContext`:
 - ``reference()`` (context-free prefill) is a prefill-only request on the same engine: planning
   stops with :class:`NeedKV`, the client submits that request, and planning resumes at the same
   segment when its capture is in (so its time lands in the waiting request's TTFT).
-- partial forwards through chosen layers (selective recomputation) do not exist here; methods
-  that need them are refused before anything loads (``Method.needs_model_internals``).
-  KVComm's exact layer 0 comes from the reference re-aligned: layer-0 K/V depend only on tokens
+- methods that recompute chosen tokens layer by layer (``Method.needs_model_internals``:
+  CacheBlend) plan the whole prompt instead, on the worker's :class:`~.layers.ModelLayers` (vLLM's
+  own modules over a per-request cache, ``Runtime.layers``): the system prompt from its capture,
+  private segments prefilled, shared ones materialized by the method exactly as in-process; vLLM
+  is handed all but the last prompt token as the claimed prefix (:meth:`TrajectoryRun._whole_prompt`).
+  The in-process vLLM engine has no such runtime and refuses them.
+- KVComm's exact layer 0 comes from the reference re-aligned: layer-0 K/V depend only on tokens
   and positions.
 
 What the method returns becomes a :class:`~.connector.Plan`: the agent's system prompt (exact, one
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...engine import Request, RequestResult, SegmentContext, SegmentKV
+from ...engine import KVCache, Request, RequestResult, SegmentContext, SegmentKV
 from ...errors import BenchError
 from ...methods.base import Method
 from ...ops.kvmath import shift_keys
@@ -177,7 +181,15 @@ class Runtime:
     salt_injected: bool = False
     #: record the first token's logprobs (tests)
     logprobs: int | None = None
+    #: partial forwards on the served model (:class:`~.layers.ModelLayers`, made on first call):
+    #: what methods that recompute tokens plan with; None where the model is out of reach
+    layers: Callable[[], object] | None = None
     n: int = 0
+
+    def model_layers(self):
+        if self.layers is None:
+            raise BenchError("this method needs partial forwards through the model's layers (only --engine vllm)")
+        return self.layers()
 
     def key(self, what: str) -> str:
         self.n += 1
@@ -227,6 +239,10 @@ class _Agent:
     first_logprobs: dict | None = None
     tokens: list[int] = field(default_factory=list)
     claimed: int | None = None
+    #: the whole prompt's cache when the worker computes it (:meth:`TrajectoryRun._whole_prompt`)
+    cache: KVCache | None = None
+    #: prompt tokens the worker computed itself (dense ones in a whole-prompt plan)
+    computed_here: int = 0
 
 
 class TrajectoryRun:
@@ -244,6 +260,8 @@ class TrajectoryRun:
     ):
         self.rt, self.trace, self.method, self.qps = rt, trace, method, qps
         self.plain = plans_nothing(type(method))  # NonShared: every segment dense
+        #: recomputes tokens layer by layer: the worker computes the whole prompt (_whole_prompt)
+        self.whole = bool(getattr(method, "needs_model_internals", False))
         self.capture_outputs = capture_outputs and not self.plain
         #: ``trace`` None: the server side, which gets each agent's node and request from its metadata
         self.nodes = trace_nodes(trace) if trace is not None else []
@@ -279,18 +297,22 @@ class TrajectoryRun:
     def plan(self) -> EngineRequest | NeedKV:
         """Materialize the agent's remaining segments; its engine request, or what it waits for."""
         a = self.agent
+        if self.whole and a.cache is None:
+            a.cache = self.rt.model_layers().new_cache(len(a.request.prompt_ids))
         try:
             while a.seg < len(a.request.segments):
                 self._segment(a, a.request.segments[a.seg])
                 a.seg += 1
         except NeedKV as need:
             return need
-        a.engine_request = self._engine_request(a)
+        a.engine_request = self._whole_prompt(a) if self.whole else self._engine_request(a)
         return a.engine_request
 
     def _segment(self, a: _Agent, seg) -> None:
         S = len(seg.ids)
         if seg.kind == "PF":
+            if a.cache is not None:
+                self._private(a, seg)
             a.records.append(SegmentRecord(kind="PF", name=seg.name, tokens=S, status="exact"))
             a.modes.append(None)
             a.kvs.append(None)
@@ -301,7 +323,11 @@ class TrajectoryRun:
             kv, mode, took, eligible = None, "computed", 0.0, self.method.eligible(a.sources.get(seg.slot) is not None)
             rec_kw: dict = {"status": "exact", "prefilled_tokens": S}
         else:
-            ctx = PlanContext(self.rt.facts, a.request, seg, a.pos, a.sources.get(seg.slot))
+            source = a.sources.get(seg.slot)
+            if a.cache is not None:
+                ctx = SegmentContext(self.rt.model_layers(), a.cache, a.request, seg, a.pos, source)
+            else:
+                ctx = PlanContext(self.rt.facts, a.request, seg, a.pos, source)
             eligible = bool(self.method.eligible(ctx.source is not None))
             t0 = time.perf_counter()
             kv = self.method.materialize(ctx)  # NeedKV leaves a.seg here: planning resumes at this segment
@@ -309,7 +335,10 @@ class TrajectoryRun:
             if kv.length != S or kv.start != a.pos:
                 raise RuntimeError(f"method returned {kv.length} rows at {kv.start}, expected {S} at {a.pos}")
             kv.slot, kv.agent, kv.node = seg.slot, a.request.agent, a.request.node
-            mode = "computed" if any(kv is p for p in ctx.placeholders) else "provided"
+            if a.cache is not None:
+                a.cache.write(kv)
+                a.computed_here += ctx.prefilled
+            mode = "computed" if any(kv is p for p in getattr(ctx, "placeholders", ())) else "provided"
             if mode == "computed":
                 a.captures.append(Capture(a.pos, kv.k, kv.v))
             a.materialized[seg.slot] = kv
@@ -336,6 +365,28 @@ class TrajectoryRun:
         a.kvs.append(kv)
         a.pos += S
 
+    def _private(self, a: _Agent, seg) -> None:
+        """A PF segment of a whole-prompt plan: the system prompt's captured K/V, else computed here
+        (but the prompt's last token, which vLLM computes)."""
+        sys_kv = self.rt.system_kv.get(tuple(seg.ids)) if a.pos == 0 else None
+        ids = seg.ids[:-1] if a.seg == len(a.request.segments) - 1 else seg.ids
+        if sys_kv is not None:
+            a.cache.write(sys_kv)
+        elif ids:
+            self.rt.model_layers().prefill(a.cache, ids, a.pos, agent=a.request.agent)
+            a.computed_here += len(ids)
+
+    def _whole_prompt(self, a: _Agent) -> EngineRequest:
+        """The plan of a method that recomputes tokens (CacheBlend): the worker built the whole
+        prompt's cache (captured system prompt, private segments prefilled, shared ones by the
+        method), claimed as the prefix but for the last token, which vLLM computes."""
+        n = len(a.request.prompt_ids) - 1
+        plan = Plan(prefix=(a.cache.k[:, :, :n], a.cache.v[:, :, :n]))
+        for rec in a.records:
+            if rec.kind == "PH":
+                rec.details["vllm"] = "prefix"
+        return self._request(a, plan, injected=True)
+
     def _engine_request(self, a: _Agent) -> EngineRequest:
         """The plan: system prompt + first shared segment as the claimed prefix, later provided
         segments as overrides, computed ones and the output as captures."""
@@ -356,12 +407,15 @@ class TrajectoryRun:
             elif mode == "computed":
                 a.records[i].details["vllm"] = "computed"
             pos += len(seg.ids)
+        return self._request(a, plan, injected=plan.prefix is not None or bool(plan.overrides))
+
+    def _request(self, a: _Agent, plan: Plan, injected: bool) -> EngineRequest:
+        """The engine request of ``plan``, with the agent's output captured (the next agents' source)."""
         n_out = a.request.max_new_tokens
         if self.capture_outputs:
             k, v = self.rt.facts.empty(n_out)
-            a.output_capture = Capture(pos, k, v)
+            a.output_capture = Capture(len(a.request.prompt_ids), k, v)
             plan.captures.append(a.output_capture)
-        injected = plan.prefix is not None or bool(plan.overrides)
         key = self.rt.key("agent")
         return EngineRequest(
             key=key,
@@ -438,7 +492,7 @@ class TrajectoryRun:
             ttft_s=a.first_token_s - a.arrival_s,
             e2e_s=t - a.arrival_s,
             prompt_tokens=prompt,
-            prefilled_tokens=prompt - (claimed or 0),
+            prefilled_tokens=prompt - (claimed or 0) + a.computed_here,
             reused_tokens=a.reused,
             reference_tokens=a.reference,
             recomputed_token_layers=a.recomputed,

@@ -598,7 +598,7 @@ def point_report(method: str, traces: Sequence[Trace], qps, session: dict) -> di
 def why_not_http(method_cls) -> str | None:
     from . import why_not
 
-    reason = why_not(method_cls)
+    reason = why_not(method_cls, partial_forwards=True)
     if reason:
         return reason
     if getattr(method_cls, "needs_calibration", False):

@@ -229,8 +229,12 @@ class WorkerRuntime:
     """Method work next to vLLM's KV cache (see the module docstring). ``budget_bytes`` bounds the
     K/V held for live trajectories and captured references (least recently used go first)."""
 
-    def __init__(self, facts: ModelFacts, eos_ids: set[int], budget_bytes: int | None = None, rank: int = 0):
+    def __init__(
+        self, facts: ModelFacts, eos_ids: set[int], budget_bytes: int | None = None, rank: int = 0, layers=None
+    ):
         self.facts, self.eos_ids, self.budget = facts, set(eos_ids), budget_bytes
+        #: partial forwards on the served model (:class:`~.layers.LazyLayers`; None in tests without vLLM)
+        self.layers = layers
         #: under tensor parallelism: this rank's KV heads and the group's collectives (:mod:`.tp`)
         self.shards = facts.shards
         self.rank = self.shards.rank if self.shards is not None else rank
@@ -285,7 +289,7 @@ class WorkerRuntime:
         s = self.sessions.get(name)
         if s is None:
             method = method_class(meta["method"])(**(meta.get("options") or {}))
-            rt = Runtime(self.facts, system_kv=self.system_kv, eos_ids=self.eos_ids)
+            rt = Runtime(self.facts, system_kv=self.system_kv, eos_ids=self.eos_ids, layers=self.layers)
             rt.ignore_eos = bool(meta.get("ignore_eos", True))
             s = Session(method, rt)
             self.sessions[name] = s
