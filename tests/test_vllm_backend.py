@@ -576,3 +576,44 @@ def test_serve_sweep_on_vllm_writes_records_summary_and_plots_naming_the_engine(
     assert run_cli(args_all) == 0  # all = the methods vLLM can run
     cfg_all = json.loads((tmp_path / "all" / "config.json").read_text())
     assert "cacheblend" not in cfg_all["methods"] and "kvcmas" in cfg_all["methods"]
+
+
+def test_the_served_model_is_found_even_after_vllms_heap_freeze():
+    """The connector finds the model through the attention modules of vLLM's forward context; vLLM's
+    engine core freezes its startup heap (gc.freeze), which hides objects from gc.get_objects, so
+    the lookup unfreezes for the scan and freezes again. No vLLM needed: a stand-in config."""
+    import gc
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from kvcmas_bench.serving.vllm.layers import find_model
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.Identity()
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = Attn()
+
+    class TinyForCausalLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList([Layer(), Layer()])
+
+    served, other = TinyForCausalLM(), TinyForCausalLM()
+    ctx = {f"model.layers.{i}.self_attn.attn": layer.self_attn.attn for i, layer in enumerate(served.model.layers)}
+    config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=ctx))
+    assert find_model(config) is served
+    gc.freeze()
+    try:
+        assert gc.get_freeze_count() > 0
+        assert find_model(config) is served and gc.get_freeze_count() > 0  # frozen again after the scan
+    finally:
+        gc.unfreeze()
+    assert find_model(SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context={}))) is None
+    del other

@@ -14,8 +14,9 @@ of an agent's request *before* it is submitted, against a :class:`PlanContext`:
 - methods that recompute chosen tokens layer by layer (``Method.needs_model_internals``:
   CacheBlend) plan the whole prompt instead, on the worker's :class:`~.layers.ModelLayers` (vLLM's
   own modules over a per-request cache, ``Runtime.layers``): the system prompt from its capture,
-  private segments prefilled, shared ones materialized by the method exactly as in-process; vLLM
-  is handed all but the last prompt token as the claimed prefix (:meth:`TrajectoryRun._whole_prompt`).
+  private segments before a shared one prefilled, shared ones materialized by the method exactly as
+  in-process; vLLM is handed that cache, up to the end of the last shared segment, as the claimed
+  prefix and computes the tail (:meth:`TrajectoryRun._whole_prompt`).
   The in-process vLLM engine has no such runtime and refuses them.
 - KVComm's exact layer 0 comes from the reference re-aligned: layer-0 K/V depend only on tokens
   and positions.
@@ -367,20 +368,24 @@ class TrajectoryRun:
 
     def _private(self, a: _Agent, seg) -> None:
         """A PF segment of a whole-prompt plan: the system prompt's captured K/V, else computed here
-        (but the prompt's last token, which vLLM computes)."""
+        when a shared segment follows it (vLLM computes the tail after the last one)."""
         sys_kv = self.rt.system_kv.get(tuple(seg.ids)) if a.pos == 0 else None
-        ids = seg.ids[:-1] if a.seg == len(a.request.segments) - 1 else seg.ids
         if sys_kv is not None:
             a.cache.write(sys_kv)
-        elif ids:
-            self.rt.model_layers().prefill(a.cache, ids, a.pos, agent=a.request.agent)
-            a.computed_here += len(ids)
+        elif seg.ids and any(s.kind == "PH" for s in a.request.segments[a.seg + 1 :]):
+            self.rt.model_layers().prefill(a.cache, seg.ids, a.pos, agent=a.request.agent)
+            a.computed_here += len(seg.ids)
 
     def _whole_prompt(self, a: _Agent) -> EngineRequest:
-        """The plan of a method that recomputes tokens (CacheBlend): the worker built the whole
-        prompt's cache (captured system prompt, private segments prefilled, shared ones by the
-        method), claimed as the prefix but for the last token, which vLLM computes."""
-        n = len(a.request.prompt_ids) - 1
+        """The plan of a method that recomputes tokens (CacheBlend): the worker built the prompt's
+        cache up to the end of its last shared segment (captured system prompt, private segments
+        prefilled, shared ones by the method), claimed as the prefix (at most all but the last
+        token); vLLM computes the rest."""
+        segs = a.request.segments
+        last = max((i for i, s in enumerate(segs) if s.kind == "PH"), default=None)
+        if last is None:
+            return self._request(a, Plan(), injected=False)
+        n = min(sum(len(s.ids) for s in segs[: last + 1]), len(a.request.prompt_ids) - 1)
         plan = Plan(prefix=(a.cache.k[:, :, :n], a.cache.v[:, :, :n]))
         for rec in a.records:
             if rec.kind == "PH":

@@ -5,7 +5,9 @@ of the in-process engine (:class:`~kvcmas_bench.engine.CacheRows`).
 
 - **Where the model comes from.** vLLM hands a KV connector its paged caches, not the model. The
   model is the live ``*ForCausalLM`` module whose attention layers are the ones in vLLM's static
-  forward context (found once, on the first plan that needs it).
+  forward context, looked up once when the caches are registered (before vLLM's engine core
+  freezes its startup heap, which hides those objects from :func:`gc.get_objects`; a lookup after
+  the freeze unfreezes the heap for the scan and freezes it again).
 - **Which models.** Llama-style decoder layers (``LlamaForCausalLM``, ``MistralForCausalLM``,
   ``Qwen2ForCausalLM``): pre-norm attention over ``qkv_proj`` with neox rotary, then a pre-norm MLP.
   Other architectures are refused by name (their layers may hold more, e.g. per-head norms).
@@ -15,6 +17,9 @@ of the in-process engine (:class:`~kvcmas_bench.engine.CacheRows`).
   scratch buffers), so the method thread runs one layer at a time under :data:`MODEL_LOCK`, which
   the connector holds across each engine step (:mod:`.connector`). A request being planned waits
   at most one engine step per layer; the engine waits at most one layer of a partial forward.
+  On CPU the method thread computes with ``OMP_NUM_THREADS`` intra-op threads, unbound, while
+  vLLM's engine thread has the cores it bound at start (vLLM forbids changing a thread count after
+  its binding), so a partial forward there runs on fewer cores than the engine's forward.
 """
 
 from __future__ import annotations
@@ -35,16 +40,24 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 MODEL_LOCK = threading.Lock()
 
 
-def find_model(vllm_config) -> torch.nn.Module:
-    """The model this worker serves: the causal LM whose attention modules are vLLM's forward context's."""
+def find_model(vllm_config) -> torch.nn.Module | None:
+    """The model this worker serves: the causal LM whose attention modules are vLLM's forward
+    context's (None: not found)."""
     attn = {id(m) for m in vllm_config.compilation_config.static_forward_context.values()}
-    for o in gc.get_objects():
-        if not isinstance(o, torch.nn.Module) or not type(o).__name__.endswith("ForCausalLM"):
-            continue
-        layers = getattr(getattr(o, "model", None), "layers", None)
-        if layers is not None and len(layers) and id(getattr(layers[0].self_attn, "attn", None)) in attn:
-            return o
-    raise BenchError("partial forwards on vLLM: the served model was not found in the worker process")
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    try:
+        for o in gc.get_objects():
+            if not type(o).__name__.endswith("ForCausalLM") or not isinstance(o, torch.nn.Module):
+                continue
+            layers = getattr(getattr(o, "model", None), "layers", None)
+            if layers is not None and len(layers) and id(getattr(layers[0].self_attn, "attn", None)) in attn:
+                return o
+        return None
+    finally:
+        if frozen:
+            gc.freeze()
 
 
 class ModelLayers:
@@ -89,9 +102,13 @@ class ModelLayers:
         keep = set(keep_hidden)
         kept: dict[int, torch.Tensor] = {}
         positions = positions.to(self.device)
-        T, D = positions.numel(), self.head_dim
         rows = CacheRows(positions)
-        x = h[0]
+        x = self._layers(cache, h[0], positions, rows, layers, keep, kept, attn_probe)
+        cache.length = max(cache.length, rows.kmax)
+        return x[None], kept
+
+    def _layers(self, cache, x, positions, rows, layers, keep, kept, attn_probe) -> torch.Tensor:
+        T, D = positions.numel(), self.head_dim
         for li in layers:
             layer = self.layers[li]
             attn = layer.self_attn
@@ -106,18 +123,23 @@ class ModelLayers:
                 out, _ = attn.o_proj(out[0].transpose(0, 1).reshape(T, -1))
                 x = x + out
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
-        cache.length = max(cache.length, rows.kmax)
-        return x[None], kept
+        return x
 
 
 class LazyLayers:
-    """:class:`ModelLayers` made on first use (finding the model scans the worker's live objects)."""
+    """The served model, found when made (:func:`find_model`); its :class:`ModelLayers` made on
+    first use, so a model they do not support fails the plans that need them, not the server."""
 
     def __init__(self, vllm_config, facts):
         self._config, self._facts = vllm_config, facts
+        self._model = find_model(vllm_config)
         self._layers: ModelLayers | None = None
 
     def __call__(self) -> ModelLayers:
         if self._layers is None:
-            self._layers = ModelLayers(find_model(self._config), self._facts)
+            if self._model is None:
+                self._model = find_model(self._config)
+            if self._model is None:
+                raise BenchError("partial forwards on vLLM: the served model was not found in the worker process")
+            self._layers = ModelLayers(self._model, self._facts)
         return self._layers
