@@ -384,6 +384,9 @@ def test_cacheblend_recomputing_every_token_reproduces_nonshared(srv):
         assert _same(lps[j], ns_lp[j], tol=1e-3)
     later = [s for r in cb[1:] for s in _shared(r)]
     assert later and all(s.status == "recomputed" and s.details["vllm"] == "prefix" for s in later)
+    # the first agent has nothing to reuse: vLLM prefills its whole prompt and captures its segments
+    assert cb[0].prefilled_tokens == cb[0].prompt_tokens
+    assert all(s.status == "exact" and s.details["vllm"] == "computed" for s in _shared(cb[0]))
     for r in cb[1:]:
         # 2 layers x every shared token; the system prompt came from its capture, shared segments
         # were recomputed, the rest (glue and tail) prefilled

@@ -14,9 +14,10 @@ of an agent's request *before* it is submitted, against a :class:`PlanContext`:
 - methods that recompute chosen tokens layer by layer (``Method.needs_model_internals``:
   CacheBlend) plan the whole prompt instead, on the worker's :class:`~.layers.ModelLayers` (vLLM's
   own modules over a per-request cache, ``Runtime.layers``): the system prompt from its capture,
-  private segments before a shared one prefilled, shared ones materialized by the method exactly as
-  in-process; vLLM is handed that cache, up to the end of the last shared segment, as the claimed
-  prefix and computes the tail (:meth:`TrajectoryRun._whole_prompt`).
+  private segments prefilled, shared ones materialized by the method exactly as in-process, up to
+  the end of the last shared segment with a source; vLLM is handed that cache as the claimed prefix
+  and computes the rest, dense shared segments there captured (:meth:`TrajectoryRun._whole_prompt`;
+  a prompt with no source to reuse is vLLM's alone).
   The in-process vLLM engine has no such runtime and refuses them.
 - KVComm's exact layer 0 comes from the reference re-aligned: layer-0 K/V depend only on tokens
   and positions.
@@ -240,8 +241,10 @@ class _Agent:
     first_logprobs: dict | None = None
     tokens: list[int] = field(default_factory=list)
     claimed: int | None = None
-    #: the whole prompt's cache when the worker computes it (:meth:`TrajectoryRun._whole_prompt`)
+    #: the prompt's cache up to the end of segment ``until`` when the worker computes it
+    #: (:meth:`TrajectoryRun._whole_prompt`): the last shared segment with a source
     cache: KVCache | None = None
+    until: int | None = None
     #: prompt tokens the worker computed itself (dense ones in a whole-prompt plan)
     computed_here: int = 0
 
@@ -299,20 +302,24 @@ class TrajectoryRun:
         """Materialize the agent's remaining segments; its engine request, or what it waits for."""
         a = self.agent
         if self.whole and a.cache is None:
-            a.cache = self.rt.model_layers().new_cache(len(a.request.prompt_ids))
+            segs = a.request.segments
+            a.until = max((i for i, s in enumerate(segs) if s.kind == "PH" and s.slot in a.sources), default=None)
+            if a.until is not None:
+                a.cache = self.rt.model_layers().new_cache(sum(len(s.ids) for s in segs[: a.until + 1]))
         try:
             while a.seg < len(a.request.segments):
                 self._segment(a, a.request.segments[a.seg])
                 a.seg += 1
         except NeedKV as need:
             return need
-        a.engine_request = self._whole_prompt(a) if self.whole else self._engine_request(a)
+        a.engine_request = self._whole_prompt(a) if a.cache is not None else self._engine_request(a)
         return a.engine_request
 
     def _segment(self, a: _Agent, seg) -> None:
         S = len(seg.ids)
+        here = a.cache is not None and a.seg <= a.until  # in the worker's part of the prompt
         if seg.kind == "PF":
-            if a.cache is not None:
+            if here:
                 self._private(a, seg)
             a.records.append(SegmentRecord(kind="PF", name=seg.name, tokens=S, status="exact"))
             a.modes.append(None)
@@ -325,7 +332,7 @@ class TrajectoryRun:
             rec_kw: dict = {"status": "exact", "prefilled_tokens": S}
         else:
             source = a.sources.get(seg.slot)
-            if a.cache is not None:
+            if here:
                 ctx = SegmentContext(self.rt.model_layers(), a.cache, a.request, seg, a.pos, source)
             else:
                 ctx = PlanContext(self.rt.facts, a.request, seg, a.pos, source)
@@ -336,7 +343,7 @@ class TrajectoryRun:
             if kv.length != S or kv.start != a.pos:
                 raise RuntimeError(f"method returned {kv.length} rows at {kv.start}, expected {S} at {a.pos}")
             kv.slot, kv.agent, kv.node = seg.slot, a.request.agent, a.request.node
-            if a.cache is not None:
+            if here:
                 a.cache.write(kv)
                 a.computed_here += ctx.prefilled
             mode = "computed" if any(kv is p for p in getattr(ctx, "placeholders", ())) else "provided"
@@ -367,29 +374,27 @@ class TrajectoryRun:
         a.pos += S
 
     def _private(self, a: _Agent, seg) -> None:
-        """A PF segment of a whole-prompt plan: the system prompt's captured K/V, else computed here
-        when a shared segment follows it (vLLM computes the tail after the last one)."""
+        """A PF segment before the last shared segment with a source: the system prompt's captured
+        K/V, else computed here."""
         sys_kv = self.rt.system_kv.get(tuple(seg.ids)) if a.pos == 0 else None
         if sys_kv is not None:
             a.cache.write(sys_kv)
-        elif seg.ids and any(s.kind == "PH" for s in a.request.segments[a.seg + 1 :]):
+        elif seg.ids:
             self.rt.model_layers().prefill(a.cache, seg.ids, a.pos, agent=a.request.agent)
             a.computed_here += len(seg.ids)
 
     def _whole_prompt(self, a: _Agent) -> EngineRequest:
         """The plan of a method that recomputes tokens (CacheBlend): the worker built the prompt's
-        cache up to the end of its last shared segment (captured system prompt, private segments
-        prefilled, shared ones by the method), claimed as the prefix (at most all but the last
-        token); vLLM computes the rest."""
-        segs = a.request.segments
-        last = max((i for i, s in enumerate(segs) if s.kind == "PH"), default=None)
-        if last is None:
-            return self._request(a, Plan(), injected=False)
-        n = min(sum(len(s.ids) for s in segs[: last + 1]), len(a.request.prompt_ids) - 1)
-        plan = Plan(prefix=(a.cache.k[:, :, :n], a.cache.v[:, :, :n]))
-        for rec in a.records:
+        cache up to the end of its last shared segment with a source (captured system prompt,
+        private segments prefilled, shared ones by the method), claimed as the prefix (at most all
+        but the last token); vLLM computes the rest, capturing the dense shared segments in it
+        (the next agents' sources). A prompt with no source to reuse is vLLM's alone
+        (:meth:`_engine_request`: every shared segment captured)."""
+        n = min(a.cache.k.shape[2], len(a.request.prompt_ids) - 1)
+        plan = Plan(prefix=(a.cache.k[:, :, :n], a.cache.v[:, :, :n]), captures=list(a.captures))
+        for i, rec in enumerate(a.records):
             if rec.kind == "PH":
-                rec.details["vllm"] = "prefix"
+                rec.details["vllm"] = "prefix" if i <= a.until else "computed"
         return self._request(a, plan, injected=True)
 
     def _engine_request(self, a: _Agent) -> EngineRequest:
