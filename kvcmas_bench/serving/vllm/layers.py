@@ -103,12 +103,8 @@ class ModelLayers:
         kept: dict[int, torch.Tensor] = {}
         positions = positions.to(self.device)
         rows = CacheRows(positions)
-        x = self._layers(cache, h[0], positions, rows, layers, keep, kept, attn_probe)
-        cache.length = max(cache.length, rows.kmax)
-        return x[None], kept
-
-    def _layers(self, cache, x, positions, rows, layers, keep, kept, attn_probe) -> torch.Tensor:
         T, D = positions.numel(), self.head_dim
+        x = h[0]
         for li in layers:
             layer = self.layers[li]
             attn = layer.self_attn
@@ -123,7 +119,8 @@ class ModelLayers:
                 out, _ = attn.o_proj(out[0].transpose(0, 1).reshape(T, -1))
                 x = x + out
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x
+        cache.length = max(cache.length, rows.kmax)
+        return x[None], kept
 
 
 class LazyLayers:
