@@ -113,6 +113,10 @@ class SegmentKV:
         n = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
         return n + sum(h.numel() * h.element_size() for h in self.hidden.values())
 
+    def detach(self) -> None:
+        """Own copies of K and V instead of views (of a request cache it was written into)."""
+        self.k, self.v = self.k.clone(), self.v.clone()
+
     def aligned(self, start: int, inv_freq: torch.Tensor) -> SegmentKV:
         """The same cache with keys rotated so the segment begins at ``start``."""
         return SegmentKV(
@@ -145,9 +149,19 @@ class KVCache:
 
     def write(self, kv: SegmentKV) -> None:
         s, e = kv.start, kv.start + kv.length
-        self.k[:, :, s:e] = kv.k.to(self.k.dtype)
-        self.v[:, :, s:e] = kv.v.to(self.v.dtype)
+        if not self.holds(kv):
+            self.k[:, :, s:e] = kv.k.to(self.k.dtype)
+            self.v[:, :, s:e] = kv.v.to(self.v.dtype)
         self.length = max(self.length, e)
+
+    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of rows ``start .. end`` (K, V): where a method may write a segment in place."""
+        return self.k[:, :, start:end], self.v[:, :, start:end]
+
+    def holds(self, kv: SegmentKV) -> bool:
+        """Whether ``kv`` is this cache's own rows at its positions (written in place)."""
+        k, v = self.rows(kv.start, kv.start + kv.length)
+        return kv.k.data_ptr() == k.data_ptr() and kv.v.data_ptr() == v.data_ptr() and kv.k.stride() == k.stride()
 
     def segment(self, start: int, end: int, **meta) -> SegmentKV:
         return SegmentKV(k=self.k[:, :, start:end].clone(), v=self.v[:, :, start:end].clone(), start=start, **meta)
@@ -338,6 +352,12 @@ class SegmentContext:
     def write(self, kv: SegmentKV) -> None:
         """Place ``kv`` (at this segment's rows) into the request cache, e.g. before a partial forward."""
         self.cache.write(kv)
+
+    def output_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a method writes the segment's K/V it computes itself (``[layers, kv_heads, S, hd]``
+        each): here the request cache's own rows, so the result needs no buffer and no copy of its
+        own; a :class:`SegmentKV` over them is detached from the cache after the first token."""
+        return self.cache.rows(self.start, self.start + self.length)
 
     def embed(self, rel: Sequence[int] | None = None) -> torch.Tensor:
         """Token embeddings ``[1, T, hidden]`` of the segment (or of the rows ``rel``)."""
@@ -668,6 +688,8 @@ class Engine:
         if kv.length != S or kv.start != pos:
             raise RuntimeError(f"method returned a segment of {kv.length} rows at {kv.start}, expected {S} at {pos}")
         kv.slot, kv.agent, kv.node = seg.slot, request.agent, request.node
+        if cache.holds(kv):  # written in place: the later agents' copy is made after the first token
+            st.deferred.insert(0, kv.detach)
         cache.write(kv)
         reused = st.add_segment(kv, ctx, eligible)
         rec = _ph_record(ctx, kv, eligible, reused, took)

@@ -147,16 +147,20 @@ def test_kvcmas_low_rank_anchor_beats_fullshared_on_the_same_question(engine):
     assert got.segments[1].kv_rel_error < full.segments[1].kv_rel_error
 
 
-def test_nonfinite_correction_falls_back_to_dense(engine):
+@pytest.mark.parametrize("part", ["delta_k", "delta_v"])
+def test_nonfinite_correction_falls_back_to_dense(engine, part):
+    """A NaN in the V delta is found after the K rows were written into the request cache in
+    place: the dense fallback must overwrite them (first token and KV error as NonShared's)."""
     ra, rb = _pair()
     m = get_method("kvcmas", anchors=1, rank=64)
     a = engine.run(ra, m)
     engine.run(rb, m, sources={"q": a.materialized["q"]})
-    dk = m.pools["q"].anchors[0].entries["B"].delta_k
-    dk.a[0, 0, 0] = float("nan")
+    getattr(m.pools["q"].anchors[0].entries["B"], part).a[-1, -1, 0] = float("nan")
     res = engine.run(rb, m, sources={"q": a.materialized["q"]}, fidelity=True)
     assert res.segments[1].status == "exact" and m.stats["nonfinite_fallback"] == 1
     assert res.segments[1].kv_rel_error < 1e-6
+    assert res.first_token == engine.run(rb, get_method("nonshared")).first_token
+    assert bool(torch.isfinite(res.materialized["q"].k).all() and torch.isfinite(res.materialized["q"].v).all())
 
 
 @pytest.mark.parametrize("name", ["kvcomm", "kvcmas-nonchained"])

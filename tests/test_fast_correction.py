@@ -156,3 +156,49 @@ def test_correction_never_writes_into_the_source_cache(engine):
     got = engine.run(rb, m, sources={"q": src}).materialized["q"]
     assert got.status == "corrected"
     assert torch.equal(src.k, before_k) and torch.equal(src.v, before_v)
+
+
+def test_correction_is_written_into_the_request_cache_and_detached_after_the_first_token(engine, monkeypatch):
+    """No segment-sized buffer before the first token: the corrected rows are the request cache's
+    own; after the first token the materialized segment owns a copy of exactly its rows (it must
+    not pin the whole request cache), with the same values."""
+    from kvcmas_bench.engine import KVCache, SegmentKV
+
+    q = rand_ids(20, 35)
+    ra, rb = _requests(q)
+    src = engine.run(ra, get_method("nonshared")).materialized["q"]
+    m = get_method("kvcmas", anchors=1, rank=None)
+    canon = torch.stack([to_rows(shift_keys(src.k, -src.start, engine.inv_freq)), to_rows(src.v)])
+    m.pools["q"] = AnchorPool(1)
+    m.pools["q"].add(
+        "s", ("s",), canon[0], canon[1], "B", 0.5 * torch.ones_like(canon[0]), torch.ones_like(canon[1]), None
+    )
+    seen = {}
+    correct = type(m).correct
+
+    def spy(self, ctx, *a, **kw):
+        kv = correct(self, ctx, *a, **kw)
+        seen["in_place"] = ctx.cache.holds(kv)
+        seen["rows_at_first_token"] = kv.k.clone(), kv.v.clone()
+        return kv
+
+    monkeypatch.setattr(type(m), "correct", spy)
+    writes = []
+    monkeypatch.setattr(
+        KVCache, "write", lambda self, kv, w=KVCache.write: (writes.append(self.holds(kv)), w(self, kv))
+    )
+    got = engine.run(rb, m, sources={"q": src}).materialized["q"]
+    assert got.status == "corrected" and seen["in_place"] is True
+    assert True in writes  # the engine saw the aliasing and copied nothing
+    assert isinstance(got, SegmentKV) and got.k.untyped_storage().nbytes() == got.k.numel() * got.k.element_size()
+    assert got.v.untyped_storage().nbytes() == got.v.numel() * got.v.element_size()
+    k0, v0 = seen["rows_at_first_token"]
+    assert torch.equal(got.k, k0) and torch.equal(got.v, v0)
+    # the correction itself, by hand: V = aligned source + 1 (one anchor, weight 1), K + 0.5 before rotation
+    assert torch.allclose(got.v, src.v + 1.0, atol=1e-6)
+    aligned = src.aligned(got.start, engine.inv_freq)
+    assert torch.allclose(
+        got.k,
+        shift_keys(shift_keys(aligned.k, -got.start, engine.inv_freq) + 0.5, got.start, engine.inv_freq),
+        atol=1e-5,
+    )

@@ -319,16 +319,17 @@ class OnlineDeltaCorrection(Method):
 
         Block by block of :attr:`block_tokens` rows, K then V: the block's canonical reference rows
         (keys rotated to position 0 here, block by block), its token weights, its weighted deltas, and
-        its corrected rows written straight into the new K/V in the engine's layout (keys rotated to
-        the segment's positions). ``ref``/``ref_v`` stay as they are: a NaN/inf correction returns
-        None and they serve the dense fallback's anchor.
+        its corrected rows written straight into the context's output rows in the engine's layout
+        (keys rotated to the segment's positions): in-process the request cache's own rows, so no
+        buffer of the segment's size is made or copied before the first token. ``ref``/``ref_v`` stay
+        as they are: a NaN/inf correction returns None (the dense fallback then overwrites the rows it
+        wrote) and they serve the fallback's anchor.
         """
         k, engine = dec.k, ctx.engine
         consumer = ctx.consumer
         inv = engine.inv_freq
-        L, S, D = ref_v.shape
-        shape = (L, engine.n_kv, S, D // engine.n_kv)
-        out = {p: torch.empty(shape, dtype=engine.dtype, device=ref_v.device) for p in "kv"}
+        S = ref_v.shape[1]
+        out = dict(zip("kv", ctx.output_rows()))
         stacks = {
             p: (FactorStack.of(dec.anchors, consumer, f"base_{p}"), FactorStack.of(dec.anchors, consumer, f"delta_{p}"))
             for p in "kv"

@@ -164,6 +164,12 @@ class PlanContext(SegmentContext):
     def reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.shards is None else self.shards.reduce(t)
 
+    def output_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fresh buffer: the connector copies a provided segment into vLLM's blocks."""
+        f = self.engine
+        shape = (f.n_layers, f.n_kv, self.length, f.head_dim)
+        return torch.empty(shape, dtype=f.dtype, device=f.device), torch.empty(shape, dtype=f.dtype, device=f.device)
+
     def _internals(self, *_, **__):
         raise BenchError("this method needs partial forwards through the model's layers (not on the vLLM engine)")
 
