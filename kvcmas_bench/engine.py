@@ -269,6 +269,25 @@ class _PrefillState:
         return reused
 
 
+@dataclass
+class PromptPiece:
+    """One span of a prompt in a whole-prompt pass (:meth:`~kvcmas_bench.methods.base.Method.materialize_prompt`):
+    rows ``start .. start + length`` with their input embeddings ``x`` (``[1, S, hidden]``), and
+    ``old``, the aligned source K/V the method may reuse (None: every row computed at every layer)."""
+
+    start: int
+    x: torch.Tensor
+    old: SegmentKV | None = None
+    #: set by the pass: "exact" (computed), "recomputed" (partly) or "reused" (as is)
+    status: str = "exact"
+    #: set by the pass: (token, layer) entries of a reused piece it recomputed
+    recomputed_token_layers: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.x.shape[1]
+
+
 class SegmentContext:
     """What a method sees and may ask of the engine while materializing one PH segment."""
 

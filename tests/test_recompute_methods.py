@@ -321,3 +321,97 @@ def test_calibrated_config_survives_json(eng8):
         assert len(m.layer_deviation) == eng8.n_layers and m.layer_deviation[0] < 1e-5  # layer 0 exact
     with pytest.raises(ValueError):
         DroidSpeak(groups=((0, 3), (2, 5)))
+
+
+# ---- CacheBlend over a whole prompt in one pass ----------------------------------------------
+def _blend_prompt(engine, seed: int = 0):
+    """sys | q (source) | glue | out (source) | glue2 | r (no source) | glue3, and the sources:
+    the same tokens as an earlier agent computed them (other system prompt, other positions)."""
+    sys_b, q, glue, out, glue2, r, glue3 = (rand_ids(n, 500 + seed + i) for i, n in enumerate((7, 23, 3, 11, 2, 6, 4)))
+    segs = [
+        Segment("PF", sys_b),
+        Segment("PH", q, slot="q"),
+        Segment("PF", glue),
+        Segment("PH", out, slot="out"),
+        Segment("PF", glue2),
+        Segment("PH", r, slot="r"),
+        Segment("PF", glue3),
+    ]
+    a = engine.run(
+        Request("A", [Segment("PF", rand_ids(5, 600 + seed)), *segs[1:4], Segment("PF", glue3)], 1),
+        get_method("nonshared"),
+    )
+    sources = {"q": a.materialized["q"], "out": a.materialized["out"]}
+    return segs, sources
+
+
+def _one_by_one(engine, method, segs, sources):
+    from kvcmas_bench.engine import SegmentContext
+
+    req = Request("B", segs, 1)
+    cache = engine.new_cache(sum(len(s.ids) for s in segs))
+    pos, counts = 0, {}
+    for seg in segs:
+        if seg.kind == "PF":
+            engine.prefill(cache, seg.ids, pos)
+        else:
+            ctx = SegmentContext(engine, cache, req, seg, pos, sources.get(seg.slot))
+            cache.write(method.materialize(ctx))
+            counts[seg.slot] = ctx.recomputed_token_layers
+        pos += len(seg.ids)
+    return cache, counts
+
+
+def _whole(engine, method, segs, sources):
+    from kvcmas_bench.engine import PromptPiece
+
+    cache = engine.new_cache(sum(len(s.ids) for s in segs))
+    pieces, pos = [], 0
+    for seg in segs:
+        src = sources.get(seg.slot) if seg.kind == "PH" else None
+        pieces.append(
+            PromptPiece(pos, engine.embed_ids(seg.ids), None if src is None else src.aligned(pos, engine.inv_freq))
+        )
+        pos += len(seg.ids)
+    method.materialize_prompt(engine, cache, pieces)
+    return cache, pieces
+
+
+@pytest.mark.parametrize("rho,check", [(0.5, 1), (0.7, 0), (0.0, 1), (1.0, 2)])
+def test_cacheblend_whole_prompt_pass_equals_segment_by_segment(eng8, rho, check):
+    """The layer-synchronous pass (what the vLLM worker runs) gives the cache of materializing the
+    segments one by one, and recomputes the hand-counted (token, layer) entries:
+    q (23 tokens) and out (11) reused, r without a source computed, L = 8."""
+    segs, sources = _blend_prompt(eng8)
+    m = get_method("cacheblend", rho=rho, check_layer=check)
+    want, counts = _one_by_one(eng8, m, segs, sources)
+    got, pieces = _whole(eng8, m, segs, sources)
+    n = len(got.k[0, 0])
+    assert torch.allclose(got.k[:, :, :n], want.k[:, :, :n], atol=1e-5)
+    assert torch.allclose(got.v[:, :, :n], want.v[:, :, :n], atol=1e-5)
+    by_hand = {  # S * (check + 1) + ceil((1 - rho) S) * (L - check - 1); nothing at rho = 1
+        (0.5, 1): {"q": 23 * 2 + 12 * 6, "out": 11 * 2 + 6 * 6},
+        (0.7, 0): {"q": 23 * 1 + 7 * 7, "out": 11 * 1 + 4 * 7},
+        (0.0, 1): {"q": 23 * 8, "out": 11 * 8},
+        (1.0, 2): {"q": 0, "out": 0},
+    }[(rho, check)]
+    assert {"q": pieces[1].recomputed_token_layers, "out": pieces[3].recomputed_token_layers} == by_hand
+    assert {k: counts[k] for k in ("q", "out")} == by_hand
+    status = {0.0: "recomputed", 1.0: "reused"}.get(rho, "recomputed")
+    assert pieces[1].status == pieces[3].status == status and pieces[5].status == "exact"
+
+
+def test_cacheblend_whole_prompt_pass_is_not_a_dense_prefill(eng8):
+    """At rho 0.5 the unselected rows above the check layer keep the source's K/V (the pass really
+    reuses), and rho 0 gives the dense prefill of the whole prompt."""
+    segs, sources = _blend_prompt(eng8)
+    dense = eng8.new_cache(sum(len(s.ids) for s in segs))
+    eng8.prefill(dense, [t for s in segs for t in s.ids], 0)
+    half, pieces = _whole(eng8, get_method("cacheblend", rho=0.5, check_layer=1), segs, sources)
+    q0, S = pieces[1].start, pieces[1].length
+    old = pieces[1].old
+    kept = (half.k[7, :, q0 : q0 + S] == old.k[7]).all(dim=(0, 2))
+    assert int(kept.sum()) == S - 12  # ceil(0.5 * 23) = 12 rows recomputed at layer 7, 11 kept as is
+    assert not torch.allclose(half.k, dense.k, atol=1e-3)
+    full, _ = _whole(eng8, get_method("cacheblend", rho=0.0, check_layer=1), segs, sources)
+    assert torch.allclose(full.k, dense.k, atol=1e-5) and torch.allclose(full.v, dense.v, atol=1e-5)

@@ -18,8 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..engine import SegmentContext, SegmentKV
-from ..errors import OptionError
+from ..engine import KVCache, PromptPiece, SegmentContext, SegmentKV
+from ..errors import BenchError, OptionError
 from ..registry import Registry
 
 #: name -> method class, filled by ``@register`` as the method modules are imported
@@ -98,6 +98,11 @@ class Method:
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
         """Return the cache of ``ctx.segment`` at ``ctx.start``. Default: dense prefill."""
         return ctx.dense()
+
+    def materialize_prompt(self, engine, cache: KVCache, pieces: list[PromptPiece]) -> None:
+        """Write every piece of a prompt into ``cache`` in one pass through the layers, for an engine
+        that plans a prompt whole (the vLLM server's worker, for methods that need partial forwards)."""
+        raise BenchError(f"{self.name} has no whole-prompt pass; it runs on the in-process engine only")
 
     def eligible(self, has_source: bool) -> bool:
         """Whether a shared segment counts in the reuse ratio's denominator: a property of the

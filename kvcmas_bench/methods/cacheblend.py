@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import SegmentContext, SegmentKV
+from ..engine import KVCache, PromptPiece, SegmentContext, SegmentKV
 from ..errors import OptionError
 from ..ops.selection import n_selected_tokens, token_deviation, top_tokens
 from .base import Method, check, register
@@ -45,6 +45,11 @@ class CacheBlend(Method):
     recomputed (token, layer) entries, so the effective rho (entries not recomputed / all shared
     entries) is lower than the nominal ``rho``: e.g. rho = 0.9, check layer 1, L = 30 gives an
     effective rho of about 0.84.
+
+    A whole prompt (:meth:`materialize_prompt`, the vLLM server's worker) runs the same steps for
+    every segment at once, layer by layer, as LMCache's blender does: private segments and shared
+    ones without a source are computed at every layer beside them. Every row depends only on rows
+    before it and on the layer below, so this equals materializing the segments one by one.
     """
 
     name = "cacheblend"
@@ -64,20 +69,48 @@ class CacheBlend(Method):
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
         if ctx.source is None:
             return ctx.dense()
-        S, L, c = ctx.length, ctx.engine.n_layers, self.check_layer
-        if c >= L:
-            raise OptionError(f"check_layer {c} outside the model's {L} layers")
-        n = n_selected_tokens(self.rho, S)
-        if n == 0:
+        if n_selected_tokens(self.rho, ctx.length) == 0:
+            self._check_layer(ctx.engine.n_layers)
             return reuse_as_is(ctx)
-        old = ctx.aligned_source()
-        ctx.write(old)
-        rows = torch.arange(S, device=ctx.engine.device)
-        h, _ = ctx.forward(ctx.embed(), rows, range(0, c + 1))
-        store = ctx.cache.k if self.score_on == "k" else ctx.cache.v
-        new = store[c, :, ctx.start : ctx.start + S]
-        score = token_deviation(new, (old.k if self.score_on == "k" else old.v)[c])
-        sel = top_tokens(score, n).to(ctx.engine.device)
+        piece = PromptPiece(ctx.start, ctx.embed(), ctx.aligned_source())
+        self.materialize_prompt(ctx.engine, ctx.cache, [piece])
+        ctx.recomputed_token_layers += piece.recomputed_token_layers
+        return ctx.current(piece.status)
+
+    def materialize_prompt(self, engine, cache: KVCache, pieces: list[PromptPiece]) -> None:
+        """Steps 1-4 for every piece with ``old`` (the others computed at every layer), in two
+        forwards over all of them: layers ``0..check_layer`` for every row, then the rows kept
+        (the selected ones and those of the computed pieces) through the layers above."""
+        L, c = engine.n_layers, self.check_layer
+        self._check_layer(L)
+        work: list[tuple[PromptPiece, int | None]] = []
+        for p in pieces:
+            n = None if p.old is None else n_selected_tokens(self.rho, p.length)
+            if p.old is not None:
+                cache.write(p.old)
+                p.status = "reused" if n == 0 else "recomputed"
+            if n != 0:
+                work.append((p, n))
+        if not work:
+            return
+        dev = engine.device
+        pos = torch.cat([torch.arange(p.start, p.start + p.length, device=dev) for p, _ in work])
+        h, _ = engine.run_layers(cache, torch.cat([p.x for p, _ in work], dim=1), pos, range(0, c + 1))
+        store = cache.k if self.score_on == "k" else cache.v
+        keep, off = [], 0
+        for p, n in work:
+            rows = torch.arange(off, off + p.length, device=dev)
+            if n is not None:
+                old = (p.old.k if self.score_on == "k" else p.old.v)[c]
+                score = token_deviation(store[c, :, p.start : p.start + p.length], old)
+                rows = rows[top_tokens(score, n).to(dev)]
+                p.recomputed_token_layers = p.length * (c + 1) + n * (L - c - 1)
+            keep.append(rows)
+            off += p.length
         if c + 1 < L:
-            ctx.forward(h[:, sel], sel, range(c + 1, L))
-        return ctx.current("recomputed")
+            rows = torch.cat(keep)
+            engine.run_layers(cache, h[:, rows], pos[rows], range(c + 1, L))
+
+    def _check_layer(self, n_layers: int) -> None:
+        if self.check_layer >= n_layers:
+            raise OptionError(f"check_layer {self.check_layer} outside the model's {n_layers} layers")

@@ -14,9 +14,11 @@ of an agent's request *before* it is submitted, against a :class:`PlanContext`:
 - methods that recompute chosen tokens layer by layer (``Method.needs_model_internals``:
   CacheBlend) plan the whole prompt instead, on the worker's :class:`~.layers.ModelLayers` (vLLM's
   own modules over a per-request cache, ``Runtime.layers``): the system prompt from its capture,
-  private segments prefilled, shared ones materialized by the method exactly as in-process, up to
-  the end of the last shared segment with a source; vLLM is handed that cache as the claimed prefix
-  and computes the rest, dense shared segments there captured (:meth:`TrajectoryRun._whole_prompt`;
+  then every segment up to the end of the last shared segment with a source in one pass of the
+  method through the layers (``Method.materialize_prompt``: private segments computed, shared ones
+  as the method decides, the same cache as in-process segment by segment); vLLM is handed that
+  cache as the claimed prefix and computes the rest, dense shared segments there captured
+  (:meth:`TrajectoryRun._whole_prompt`;
   a prompt with no source to reuse is vLLM's alone).
   The in-process vLLM engine has no such runtime and refuses them.
 - KVComm's exact layer 0 comes from the reference re-aligned: layer-0 K/V depend only on tokens
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...engine import KVCache, Request, RequestResult, SegmentContext, SegmentKV
+from ...engine import KVCache, PromptPiece, Request, RequestResult, SegmentContext, SegmentKV
 from ...errors import BenchError
 from ...methods.base import Method
 from ...ops.kvmath import shift_keys
@@ -312,6 +314,7 @@ class TrajectoryRun:
             a.until = max((i for i, s in enumerate(segs) if s.kind == "PH" and s.slot in a.sources), default=None)
             if a.until is not None:
                 a.cache = self.rt.model_layers().new_cache(sum(len(s.ids) for s in segs[: a.until + 1]))
+                self._prompt_pass(a)
         try:
             while a.seg < len(a.request.segments):
                 self._segment(a, a.request.segments[a.seg])
@@ -323,54 +326,30 @@ class TrajectoryRun:
 
     def _segment(self, a: _Agent, seg) -> None:
         S = len(seg.ids)
-        here = a.cache is not None and a.seg <= a.until  # in the worker's part of the prompt
         if seg.kind == "PF":
-            if here:
-                self._private(a, seg)
             a.records.append(SegmentRecord(kind="PF", name=seg.name, tokens=S, status="exact"))
             a.modes.append(None)
             a.kvs.append(None)
             a.pos += S
             return
         if self.plain:  # NonShared: vLLM prefills it, nobody needs its cache
-            ctx = None
             kv, mode, took, eligible = None, "computed", 0.0, self.method.eligible(a.sources.get(seg.slot) is not None)
             rec_kw: dict = {"status": "exact", "prefilled_tokens": S}
         else:
-            source = a.sources.get(seg.slot)
-            if here:
-                ctx = SegmentContext(self.rt.model_layers(), a.cache, a.request, seg, a.pos, source)
-            else:
-                ctx = PlanContext(self.rt.facts, a.request, seg, a.pos, source)
+            ctx = PlanContext(self.rt.facts, a.request, seg, a.pos, a.sources.get(seg.slot))
             eligible = bool(self.method.eligible(ctx.source is not None))
             t0 = time.perf_counter()
             kv = self.method.materialize(ctx)  # NeedKV leaves a.seg here: planning resumes at this segment
             took = time.perf_counter() - t0
             if kv.length != S or kv.start != a.pos:
                 raise RuntimeError(f"method returned {kv.length} rows at {kv.start}, expected {S} at {a.pos}")
-            kv.slot, kv.agent, kv.node = seg.slot, a.request.agent, a.request.node
-            if here:
-                a.cache.write(kv)
-                a.computed_here += ctx.prefilled
-            mode = "computed" if any(kv is p for p in getattr(ctx, "placeholders", ())) else "provided"
+            mode = "computed" if any(kv is p for p in ctx.placeholders) else "provided"
             if mode == "computed":
                 a.captures.append(Capture(a.pos, kv.k, kv.v))
-            a.materialized[seg.slot] = kv
             a.deferred.extend(ctx.deferred)
-            reused = S - ctx.prefilled if kv.status != "exact" else 0
-            a.reused += reused
             a.reference += ctx.reference_tokens
-            a.recomputed += ctx.recomputed_token_layers
-            rec_kw = {
-                "status": kv.status,
-                "source_agent": ctx.source.agent if ctx.source is not None else None,
-                "source_node": ctx.source.node if ctx.source is not None else None,
-                "reused_tokens": reused,
-                "prefilled_tokens": ctx.prefilled,
-                "reference_tokens": ctx.reference_tokens,
-                "recomputed_token_layers": ctx.recomputed_token_layers,
-                "details": dict(ctx.details),
-            }
+            rec_kw = self._materialized(a, seg, kv, ctx.source, ctx.prefilled, ctx.recomputed_token_layers)
+            rec_kw.update(reference_tokens=ctx.reference_tokens, details=dict(ctx.details))
         a.eligible += S if eligible else 0
         a.records.append(
             SegmentRecord(kind="PH", slot=seg.slot, tokens=S, eligible=eligible, materialize_s=took, **rec_kw)
@@ -379,20 +358,88 @@ class TrajectoryRun:
         a.kvs.append(kv)
         a.pos += S
 
-    def _private(self, a: _Agent, seg) -> None:
-        """A PF segment before the last shared segment with a source: the system prompt's captured
-        K/V, else computed here."""
-        sys_kv = self.rt.system_kv.get(tuple(seg.ids)) if a.pos == 0 else None
-        if sys_kv is not None:
-            a.cache.write(sys_kv)
-        elif seg.ids:
-            self.rt.model_layers().prefill(a.cache, seg.ids, a.pos, agent=a.request.agent)
-            a.computed_here += len(seg.ids)
+    def _materialized(
+        self, a: _Agent, seg, kv: SegmentKV, source: SegmentKV | None, prefilled: int, recomputed: int
+    ) -> dict:
+        """Keep a shared segment's cache (the next agents' source) and count it; its record's fields."""
+        kv.slot, kv.agent, kv.node = seg.slot, a.request.agent, a.request.node
+        a.materialized[seg.slot] = kv
+        reused = len(seg.ids) - prefilled if kv.status != "exact" else 0
+        a.reused += reused
+        a.recomputed += recomputed
+        return {
+            "status": kv.status,
+            "source_agent": source.agent if source is not None else None,
+            "source_node": source.node if source is not None else None,
+            "reused_tokens": reused,
+            "prefilled_tokens": prefilled,
+            "recomputed_token_layers": recomputed,
+        }
+
+    def _prompt_pass(self, a: _Agent) -> None:
+        """Segments ``0 .. until`` of a whole-prompt plan (:meth:`_whole_prompt`) in one pass of the
+        method through the layers (:meth:`~kvcmas_bench.methods.base.Method.materialize_prompt`):
+        the agent's system prompt from its capture, the other private segments and the shared ones
+        without a source computed at every layer, the shared ones with a source as the method
+        decides. Each shared segment's record gets the pass's time in proportion to the
+        (token, layer) entries computed for it (``details["prompt_pass_s"]``: the whole pass)."""
+        layers = self.rt.model_layers()
+        L = layers.n_layers
+        pieces: list[PromptPiece | None] = []
+        for seg in a.request.segments[: a.until + 1]:
+            sys_kv = self.rt.system_kv.get(tuple(seg.ids)) if seg.kind == "PF" and a.pos == 0 else None
+            if sys_kv is not None:
+                a.cache.write(sys_kv)
+            source = a.sources.get(seg.slot) if seg.kind == "PH" else None
+            computed = sys_kv is None and bool(seg.ids)
+            x = layers.embed_ids(seg.ids) if computed else None
+            pieces.append(
+                PromptPiece(a.pos, x, None if source is None else source.aligned(a.pos, layers.inv_freq))
+                if computed
+                else None
+            )
+            a.pos += len(seg.ids)
+        t0 = time.perf_counter()
+        self.method.materialize_prompt(layers, a.cache, [p for p in pieces if p is not None])
+        took = time.perf_counter() - t0
+        cost = [0 if p is None else p.recomputed_token_layers if p.old is not None else p.length * L for p in pieces]
+        a.pos = 0
+        for seg, p, c in zip(a.request.segments[: a.until + 1], pieces, cost):
+            S = len(seg.ids)
+            if seg.kind == "PF":
+                a.computed_here += S if p is not None else 0
+                a.records.append(SegmentRecord(kind="PF", name=seg.name, tokens=S, status="exact"))
+                a.modes.append(None)
+                a.kvs.append(None)
+            else:
+                status = p.status if p is not None else "exact"
+                kv = a.cache.segment(a.pos, a.pos + S, ids=tuple(seg.ids), status=status)
+                source = a.sources.get(seg.slot)
+                prefilled = S if source is None else 0
+                a.computed_here += prefilled
+                eligible = bool(self.method.eligible(source is not None))
+                a.eligible += S if eligible else 0
+                rec_kw = self._materialized(a, seg, kv, source, prefilled, c if source is not None else 0)
+                rec_kw["details"] = {"prompt_pass_s": round(took, 6)}
+                a.records.append(
+                    SegmentRecord(
+                        kind="PH",
+                        slot=seg.slot,
+                        tokens=S,
+                        eligible=eligible,
+                        materialize_s=took * c / max(1, sum(cost)),
+                        **rec_kw,
+                    )
+                )
+                a.modes.append("provided")
+                a.kvs.append(kv)
+            a.pos += S
+        a.seg = a.until + 1
 
     def _whole_prompt(self, a: _Agent) -> EngineRequest:
         """The plan of a method that recomputes tokens (CacheBlend): the worker built the prompt's
-        cache up to the end of its last shared segment with a source (captured system prompt,
-        private segments prefilled, shared ones by the method), claimed as the prefix (at most all
+        cache up to the end of its last shared segment with a source (:meth:`_prompt_pass`),
+        claimed as the prefix (at most all
         but the last token); vLLM computes the rest, capturing the dense shared segments in it
         (the next agents' sources). A prompt with no source to reuse is vLLM's alone
         (:meth:`_engine_request`: every shared segment captured)."""
