@@ -384,7 +384,7 @@ class OnlineDeltaCorrection(Method):
         dst = out[:, :, start : start + rows.shape[1]]
         if part == "k":
             if corr is not None:
-                rows = corr.add_(rows) if corr.dtype == rows.dtype else torch.add(rows, corr)
+                rows = corr.add_(rows) if corr.dtype == rows.dtype else rows.add_(corr)  # K rows: a fresh block
             rows_to_keys(rows, ctx.start, engine.inv_freq, engine.n_kv, out.dtype, out=dst)
         elif corr is None:
             dst.copy_(from_rows(rows, engine.n_kv))
