@@ -427,3 +427,25 @@ def test_warmup_trajectories_are_served_before_measurement_and_excluded(tmp_path
     assert len(reqs) == 2 * 4 and not {r["trajectory"] for r in reqs} & set(warm_ids)  # excluded from statistics
     # pools in steady state: the measured trajectories reuse more than after a cold start
     assert warm["rows"][0]["reuse_ratio"] > cold["rows"][0]["reuse_ratio"]
+
+
+@pytest.mark.parametrize(
+    "methods,says",
+    [("nonshared,graphflow", "cannot run graphflow: its offline calibration"), ("nonshared,nosuch", "unknown method")],
+)
+def test_vllm_benchmark_refuses_a_method_the_server_cannot_run_before_it_measures(tmp_path, methods, says):
+    """The script measures the in-process engine first (tens of minutes); a method the vLLM server
+    refuses must fail at once, with one line and exit code 2, and leave nothing measured."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_sweep_vllm.py"
+    out = tmp_path / "bench"
+    p = subprocess.run(
+        [sys.executable, str(script), "--methods", methods, "-o", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 2
+    errors = [line for line in p.stderr.splitlines() if line.startswith("serve_sweep_vllm: error:")]
+    assert len(errors) == 1 and says in errors[0] and "Traceback" not in p.stderr
+    assert not out.exists()
