@@ -170,18 +170,15 @@ def main(argv: list[str] | None = None) -> int:
         print("serve_sweep_vllm: error: include nonshared (the reference)", file=sys.stderr)
         return 2
     if not args.report_only:  # before the in-process half runs: a method the server cannot serve fails now
+        import kvcmas_bench.serving.vllm  # noqa: F401  (registers the engine and its limits)
         from kvcmas_bench.methods import method_class
-        from kvcmas_bench.serving.vllm.http import why_not_http
+        from kvcmas_bench.serving.backends import check_backend
 
         try:
-            refused = [(m, why_not_http(method_class(m))) for m in methods]
+            check_backend("vllm", [method_class(m) for m in methods])
         except BenchError as exc:
             print(f"serve_sweep_vllm: error: {exc}", file=sys.stderr)
             return 2
-        for m, reason in refused:
-            if reason:
-                print(f"serve_sweep_vllm: error: --engine vllm cannot run {m}: {reason}", file=sys.stderr)
-                return 2
     lengths = [int(x) for x in args.shared_tokens.split(",") if x.strip()]
     factors = [float(x) for x in args.qps_factors.split(",") if x.strip()]
     engine_options = dict(kv.split("=", 1) for kv in args.engine_arg)
