@@ -4,6 +4,8 @@ factorization equals the exact truncated SVD."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,8 +14,10 @@ from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import AnchorPool, stack_b
 from kvcmas_bench.ops.kvmath import relative_error, shift_keys
 from kvcmas_bench.ops.lowrank import (
-    HeadMajorRows,
-    rows_to_keys,
+    add_shift_into,
+    from_rows,
+    operand_rows,
+    rotate_rows,
     shift_to_rows,
     to_rows,
     token_sqnorms,
@@ -111,29 +115,67 @@ def test_gram_factorization_equals_the_exact_truncated_svd():
         assert torch.allclose(torch.bmm(b2, b2.transpose(1, 2)), eye, atol=1e-4)  # orthonormal rows
 
 
-def test_fused_rotation_layouts_equal_rotate_then_permute():
+def test_fused_rotation_layout_equals_rotate_then_permute():
     torch.manual_seed(1)
     inv = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
     k = torch.randn(3, 2, 37, 16)
     rows = shift_to_rows(k, -11, inv)
     assert torch.allclose(rows, to_rows(shift_keys(k, -11, inv)), atol=1e-6)
-    back = rows_to_keys(rows, 11, inv, 2, torch.float32)
-    assert back.is_contiguous() and torch.allclose(back, k, atol=1e-5)
 
 
-def test_head_major_rows_are_the_row_layout_block_by_block():
-    """``HeadMajorRows(x)[:, s:e]`` is row ``t`` = the heads of token ``t`` side by side, written by
-    hand on a 1-layer, 2-head, 3-token, head_dim-2 cache; other keys are refused."""
+def test_rotating_b_rotates_the_rows_of_a_key_factor():
+    """By hand: one head of dim 2 (one frequency, 0.25 rad per position), ``B`` the identity: rotated
+    by 2 positions its rows are ``[cos .5, sin .5]`` and ``[-sin .5, cos .5]`` (HF's rotate_half
+    convention). Then ``A rotate_rows(B, d)`` is ``A B`` rotated by ``d`` positions (two heads, 8-dim),
+    and orthonormal rows stay orthonormal."""
+    c, s = math.cos(0.5), math.sin(0.5)
+    got = rotate_rows(torch.eye(2)[None], 2, torch.tensor([0.25]), 1)
+    assert torch.allclose(got, torch.tensor([[[c, s], [-s, c]]]), atol=1e-6)
+    assert rotate_rows(torch.eye(2)[None], 0, torch.tensor([0.25]), 1).equal(torch.eye(2)[None])
+    torch.manual_seed(2)
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    b = torch.linalg.qr(torch.randn(3, 16, 5)).Q.transpose(1, 2)  # [layers, r=5, D=16] orthonormal rows
+    a = torch.randn(3, 9, 5)
+    want = to_rows(shift_keys(from_rows(torch.bmm(a, b), 2), -13, inv))
+    rb = rotate_rows(b, -13, inv, 2)
+    assert torch.allclose(torch.bmm(a, rb), want, atol=1e-5)
+    assert torch.allclose(torch.bmm(rb, rb.transpose(1, 2)), torch.eye(5).expand(3, 5, 5), atol=1e-5)
+
+
+def test_add_shift_into_sums_rotates_and_writes_in_place():
+    """By hand, one head of dim 2 turned a quarter turn per position: ``[1, 2] + [0.5, -1] = [1.5, 1]``
+    rotated by one position is ``[-1, 1.5]``; written into token 1 of a 3-token cache, the other rows
+    untouched; without a shift the sum is written as it is; without a correction, ``x`` rotated."""
+    inv = torch.tensor([math.pi / 2])
+    x = torch.tensor([1.0, 2.0]).view(1, 1, 1, 2)
+    corr = torch.tensor([0.5, -1.0]).view(1, 1, 2)
+    cache = torch.full((1, 1, 3, 2), 7.0)
+    add_shift_into(cache[:, :, 1:2], x, 1, inv, corr)
+    assert torch.allclose(cache[0, 0], torch.tensor([[7.0, 7.0], [-1.0, 1.5], [7.0, 7.0]]), atol=1e-6)
+    add_shift_into(cache[:, :, 0:1], x, 0, inv, corr)
+    assert cache[0, 0, 0].tolist() == [1.5, 1.0]
+    add_shift_into(cache[:, :, 2:3], x, 1, inv)
+    assert torch.allclose(cache[0, 0, 2], torch.tensor([-2.0, 1.0]), atol=1e-6)
+    # a bfloat16 destination (steps of 2^-7 above 1) gets the float32 sum rounded once:
+    # 1 + 2^-8 + 2^-9 -> 1 + 2^-7, where rounding 1 + 2^-8 first (a tie, to even: 1) would give 1
+    low = torch.zeros(1, 1, 1, 2, dtype=torch.bfloat16)
+    tiny = torch.tensor([2.0**-9, 0.0], dtype=torch.bfloat16).view(1, 1, 2)
+    add_shift_into(low, torch.tensor([1.0 + 2.0**-8, 0.0]).view(1, 1, 1, 2), 0, inv, tiny)
+    assert float(low[0, 0, 0, 0]) == 1.0 + 2.0**-7
+
+
+def test_operand_rows_copies_head_major_blocks_into_the_row_layout():
+    """Written by hand on a 1-layer, 2-head, 3-token, head_dim-2 cache: row ``t`` is the heads of
+    token ``t`` side by side, and its squared norm is taken from the cache itself."""
     x = torch.arange(12, dtype=torch.float32).view(1, 2, 3, 2)  # head 0: tokens [0,1] [2,3] [4,5]; head 1: [6,7] ...
-    rows = HeadMajorRows(x)
-    assert rows.shape == (1, 3, 4)
-    expected = torch.tensor([[[2.0, 3.0, 8.0, 9.0], [4.0, 5.0, 10.0, 11.0]]])
-    got = rows[:, 1:3]
-    assert got.dtype == torch.float32 and torch.equal(got, expected)
-    got.add_(1.0)  # a copy: the cache is untouched
+    rows, sq = operand_rows(x[:, :, 1:3], torch.bfloat16)
+    assert rows.dtype == torch.bfloat16 and rows.is_contiguous()
+    assert rows.float().tolist() == [[[2.0, 3.0, 8.0, 9.0], [4.0, 5.0, 10.0, 11.0]]]
+    assert sq.dtype == torch.float32 and sq.tolist() == [158.0, 262.0]
+    rows.add_(1)  # a copy: the cache is untouched
     assert float(x[0, 0, 1, 0]) == 2.0
-    with pytest.raises(IndexError):
-        rows[0, 1:3]
+    rows3, sq3 = operand_rows(torch.tensor([[[1.0, 2.0], [3.0, 0.0]]]), torch.float32)
+    assert rows3.tolist() == [[[1.0, 2.0], [3.0, 0.0]]] and sq3.tolist() == [5.0, 9.0]
 
 
 def test_token_sqnorms_sum_over_layers_and_features():

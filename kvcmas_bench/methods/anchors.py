@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.lowrank import row_sqnorms, truncated_svd, truncated_svd_gram
+from ..ops.lowrank import rotate_rows, row_sqnorms, truncated_svd, truncated_svd_gram
 
 PARTS = ("base_k", "base_v", "delta_k", "delta_v")
 
@@ -169,6 +169,19 @@ class FactorStack:
     @property
     def ranks(self) -> list[int]:
         return [f.rank for f in self.factors]
+
+    def rotated(self, delta: int, inv_freq: torch.Tensor, kv_heads: int) -> FactorStack:
+        """Key factors moved ``delta`` positions on (low-rank only): every ``B`` rotated
+        (:func:`~kvcmas_bench.ops.lowrank.rotate_rows`), the ``A`` factors shared as they are."""
+        if not self.lowrank or delta == 0:
+            return self
+        return FactorStack(self.factors, rotate_rows(self.b_all, delta, inv_freq, kv_heads))
+
+    def b_list(self) -> list[torch.Tensor | None]:
+        """Each anchor's ``B`` (a view of :attr:`b_all`; None for full-dimensional anchors)."""
+        if not self.lowrank:
+            return [None] * len(self.factors)
+        return list(torch.split(self.b_all, self.ranks, dim=1))
 
     def a_rows(self, start: int, n: int) -> list[torch.Tensor]:
         """Each anchor's ``A`` rows (full-dimensional: the matrix rows) of the block, as views."""

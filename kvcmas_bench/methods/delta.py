@@ -21,18 +21,17 @@ import torch
 
 from ..engine import SegmentContext, SegmentKV
 from ..ops.gate import DEFAULT_GATE_TEMPERATURE, GATES, gate_scores
+from ..ops.kvmath import shift_keys
 from ..ops.lowrank import (
-    HeadMajorRows,
-    from_rows,
+    add_shift_into,
     gate_entropy,
     lowrank_apply,
     lowrank_token_sqdist,
+    operand_rows,
     prune_weights,
     rows_copy,
-    rows_to_keys,
     shift_to_rows,
     sparse_apply,
-    token_sqnorms,
     token_weights,
 )
 from .anchors import Anchor, AnchorPool, FactorStack, instance_key, total_layout
@@ -146,18 +145,16 @@ class OnlineDeltaCorrection(Method):
         if ref is None:
             return ctx.dense()
         inv = ctx.engine.inv_freq
-        # row layout, float32, block by block where read (keys made canonical there too)
-        ref_v = HeadMajorRows(ref.v)
         pool = self.pools.setdefault(ctx.slot, AnchorPool(self.anchors))
         if ctx.forced == "dense":  # a controlled reuse ratio (serve-sweep --rho): this one falls back
             decision = None
             ctx.details["gate"] = "scheduled_dense"
         else:
             decision = self.gate(
-                pool, ctx.consumer, ref_v, ctx.length, ctx.details, force=ctx.forced == "reuse", shards=ctx
+                pool, ctx.consumer, ref.v, ctx.length, ctx.details, force=ctx.forced == "reuse", shards=ctx
             )
         if decision is not None:
-            kv = self.correct(ctx, decision, ref, ref_v)
+            kv = self.correct(ctx, decision, ref)
             if kv is not None:
                 self._count("accepted")
                 return kv
@@ -197,13 +194,16 @@ class OnlineDeltaCorrection(Method):
         self,
         pool: AnchorPool,
         consumer: str,
-        ref_v: torch.Tensor | HeadMajorRows,
+        ref_v: torch.Tensor,
         S: int,
         details: dict | None = None,
         force: bool = False,
         shards: SegmentContext | None = None,
     ) -> GateDecision | None:
         """Pick compatible anchors and decide reliability by normalized gate entropy.
+
+        ``ref_v``: the reference's values, head-major ``[layers, kv_heads, S, hd]`` (as caches hold
+        them) or in the row layout ``[layers, S, D]``.
 
         The comparison prefix k is the segment length when two anchors cover it, otherwise the
         longest prefix two anchors cover (``full_coverage``: only anchors covering the whole segment
@@ -236,7 +236,7 @@ class OnlineDeltaCorrection(Method):
         k = min(S, lengths[1])
         cands = pool.compatible(consumer, k)
         bases = FactorStack.of(cands, consumer, "base_v")
-        dist_v = torch.cat([self.token_sqdist(bases, ref_v[:, s : s + n], s) for s, n in self.blocks(k)], dim=1)
+        dist_v = torch.cat([self.token_sqdist(bases, _block(ref_v, s, n), s) for s, n in self.blocks(k)], dim=1)
         if shards is not None:
             dist_v = shards.reduce_heads(dist_v)
         sq = dist_v.sum(1)
@@ -267,15 +267,16 @@ class OnlineDeltaCorrection(Method):
     @staticmethod
     def token_sqdist(stack: FactorStack, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         """``[n, t]`` squared distance of every token of ``x`` (rows ``start .. start + t`` of the
-        segment) to each anchor's base in ``stack``, summed over layers and this rank's heads: from
-        the factors (one GEMM with the stacked B) for low-rank anchors, by reconstruction for
-        full-dimensional ones."""
-        t = x.shape[1]
+        segment, head-major or row layout, see :func:`_block`) to each anchor's base in ``stack``,
+        summed over layers and this rank's heads: from the factors (one GEMM with the stacked B, ``x``
+        copied once into its operand) for low-rank anchors, by reconstruction for full-dimensional ones."""
+        t = _tokens(x)
         if stack.lowrank:
-            x_sq = token_sqnorms(x)
+            y, x_sq = operand_rows(x, stack.b_t.dtype)
             return lowrank_token_sqdist(
-                x, x_sq, stack.a_rows(start, t), stack.sq_rows(start, t), stack.b_t, stack.ranks
+                y, x_sq, stack.a_rows(start, t), stack.sq_rows(start, t), stack.b_t, stack.ranks
             )
+        x = _rows(x)
         return torch.stack([(x - r.float()).square().sum(dim=(0, 2)) for r in stack.rows(start, t)])
 
     def token_distance(
@@ -295,53 +296,52 @@ class OnlineDeltaCorrection(Method):
         by the element count of all of them. ``sqdist`` is already reduced.
         """
         n_shards = 1 if shards is None else shards.head_shards
-        elements = x.shape[0] * x.shape[2] * n_shards
+        elements = x.numel() // _tokens(x) * n_shards
         if stack.lowrank:
             if sqdist is None:
                 sqdist = self.token_sqdist(stack, x, start)
                 if shards is not None:
                     sqdist = shards.reduce_heads(sqdist)
             return (sqdist / elements).sqrt()
+        x = _rows(x)
         diffs = [x - r.float() for r in stack.rows(start, x.shape[1])]
         if n_shards == 1:
             return torch.stack([d.abs().mean(dim=(0, 2)) for d in diffs])
         return shards.reduce_heads(torch.stack([d.abs().sum(dim=(0, 2)) for d in diffs])) / elements
 
     # ---- Eq. 8 ---------------------------------------------------------------------------------
-    def correct(
-        self,
-        ctx: SegmentContext,
-        dec: GateDecision,
-        ref: SegmentKV,
-        ref_v: torch.Tensor | HeadMajorRows,
-    ) -> SegmentKV | None:
+    def correct(self, ctx: SegmentContext, dec: GateDecision, ref: SegmentKV) -> SegmentKV | None:
         """``align(C_ref) + sum_v w_v A_v B_v`` on the covered prefix, aligned rows beyond it.
 
-        Block by block of :attr:`block_tokens` rows, K then V: the block's canonical reference rows
-        (keys rotated to position 0 here, block by block), its token weights, its weighted deltas, and
-        its corrected rows written straight into the context's output rows in the engine's layout
-        (keys rotated to the segment's positions): in-process the request cache's own rows, so no
-        buffer of the segment's size is made or copied before the first token. ``ref``/``ref_v`` stay
-        as they are: a NaN/inf correction returns None (the dense fallback then overwrites the rows it
-        wrote) and they serve the fallback's anchor.
+        Keys are compared and corrected in one frame of positions: low-rank key factors are moved to
+        the reference's positions (their ``B`` rotated, :meth:`FactorStack.rotated`), so the
+        reference's keys are read as they are and rotated once, from the reference's positions
+        straight to the segment's, together with their correction; full-dimensional ones stay
+        canonical (position 0) and the reference's keys are made canonical block by block.
+
+        Block by block of :attr:`block_tokens` rows, K then V: the block's token weights, its weighted
+        deltas, and its corrected rows written straight into the context's output rows in the engine's
+        layout (:func:`add_shift_into`): in-process the request cache's own rows, so no buffer of the
+        segment's size is made or copied before the first token. ``ref`` stays as it is: a NaN/inf
+        correction returns None (the dense fallback then overwrites the rows it wrote) and it serves
+        the fallback's anchor.
         """
-        k, engine = dec.k, ctx.engine
-        consumer = ctx.consumer
-        inv = engine.inv_freq
-        S = ref_v.shape[1]
+        k, engine, consumer = dec.k, ctx.engine, ctx.consumer
+        inv, heads = engine.inv_freq, ref.k.shape[1]
+        S = ref.v.shape[2]
         out = dict(zip("kv", ctx.output_rows()))
         stacks = {
             p: (FactorStack.of(dec.anchors, consumer, f"base_{p}"), FactorStack.of(dec.anchors, consumer, f"delta_{p}"))
             for p in "kv"
         }
+        frame = ref.start if all(f.lowrank for f in stacks["k"]) else 0  # the keys' positions
+        stacks["k"] = tuple(f.rotated(frame, inv, heads) for f in stacks["k"])
         kept, dropped = {"k": 0.0, "v": 0.0}, 0.0
         for start, n in self.blocks(k):
             for p in "kv":
-                x = (
-                    shift_to_rows(ref.k[:, :, start : start + n], -ref.start, inv)
-                    if p == "k"
-                    else ref_v[:, start : start + n]
-                )
+                x = (ref.k if p == "k" else ref.v)[:, :, start : start + n]
+                if p == "k" and frame != ref.start:
+                    x = shift_keys(x.float(), frame - ref.start, inv)
                 bases, deltas = stacks[p]
                 sq = dec.sqdist_v[:, start : start + n] if p == "v" and dec.sqdist_v is not None else None
                 w = token_weights(self.token_distance(bases, x, start, sq, ctx), self.temperature)
@@ -350,15 +350,16 @@ class OnlineDeltaCorrection(Method):
                     keep, mass = torch.ones_like(keep), mass.zero_()
                     corr = self.weighted_delta(deltas, w, start)
                 else:
-                    corr = sparse_apply(w, keep, deltas.a_rows(start, n), [f.b for f in deltas.factors])
+                    corr = sparse_apply(w, keep, deltas.a_rows(start, n), deltas.b_list())
                 if not bool(torch.isfinite(corr.sum())):  # a NaN/inf anywhere reaches the sum
                     return None
                 kept[p] += float(keep.float().sum())
                 dropped = max(dropped, float(mass.max()) if mass.numel() else 0.0)
-                self._write(ctx, out[p], p, x, start, corr)
+                shift = ctx.start - frame if p == "k" else 0
+                add_shift_into(out[p][:, :, start : start + n], x, shift, inv, corr)
         if k < S:  # rows beyond the covered prefix: the aligned reference
-            self._write(ctx, out["k"], "k", shift_to_rows(ref.k[:, :, k:], -ref.start, inv), k)
-            self._write(ctx, out["v"], "v", ref_v[:, k:], k)
+            add_shift_into(out["k"][:, :, k:], ref.k[:, :, k:], ctx.start - ref.start, inv)
+            add_shift_into(out["v"][:, :, k:], ref.v[:, :, k:], 0, inv)
         # anchors applied per token (mean over tokens, K then V) and the largest dropped weight mass
         ctx.details.update(
             anchors_applied=[round(kept[p] / k, 3) for p in "kv"], dropped_weight=float(f"{dropped:.6g}")
@@ -367,29 +368,6 @@ class OnlineDeltaCorrection(Method):
         if self.exact_layer0:
             kv = ctx.exact_layer0(kv, ref)
         return kv
-
-    @staticmethod
-    def _write(
-        ctx: SegmentContext,
-        out: torch.Tensor,
-        part: str,
-        rows: torch.Tensor,
-        start: int,
-        corr: torch.Tensor | None = None,
-    ) -> None:
-        """Rows ``start ..`` of ``out`` (``[layers, kv_heads, S, hd]``) from canonical row-layout
-        ``rows`` (plus ``corr``, the correction, when given): keys rotated to the segment's
-        positions, values as they are (their sum written straight into ``out``)."""
-        engine = ctx.engine
-        dst = out[:, :, start : start + rows.shape[1]]
-        if part == "k":
-            if corr is not None:
-                rows = corr.add_(rows) if corr.dtype == rows.dtype else rows.add_(corr)  # K rows: a fresh block
-            rows_to_keys(rows, ctx.start, engine.inv_freq, engine.n_kv, out.dtype, out=dst)
-        elif corr is None:
-            dst.copy_(from_rows(rows, engine.n_kv))
-        else:
-            torch.add(from_rows(rows, engine.n_kv), from_rows(corr, engine.n_kv), out=dst)
 
     @staticmethod
     def weighted_delta(stack: FactorStack, w: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -447,3 +425,18 @@ class OnlineDeltaCorrection(Method):
     def state_bytes(self) -> int:
         n = sum(p.nbytes for p in self.pools.values())
         return n + sum(r.nbytes for r in self.references.values())
+
+
+def _block(x: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """Rows ``start .. start + n`` of a segment's cache part, in its own layout: head-major
+    ``[layers, kv_heads, S, hd]`` (4-D, as caches hold it) or row layout ``[layers, S, D]`` (3-D)."""
+    return x[:, :, start : start + n] if x.dim() == 4 else x[:, start : start + n]
+
+
+def _tokens(x: torch.Tensor) -> int:
+    return x.shape[2] if x.dim() == 4 else x.shape[1]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the row layout, float32 (a copy when it is head-major)."""
+    return rows_copy(x) if x.dim() == 4 else x.float()

@@ -28,30 +28,6 @@ def rows_copy(x: torch.Tensor) -> torch.Tensor:
     return out.view(L, S, H * d)
 
 
-class HeadMajorRows:
-    """The row layout of a head-major ``[layers, kv_heads, S, hd]`` cache, copied block by block on
-    demand: ``rows[:, s:e]`` is ``rows_copy`` of those tokens (float32 ``[layers, e - s, D]``).
-    Where only blocks are read, this avoids a whole-segment copy (fresh pages on every request)."""
-
-    def __init__(self, x: torch.Tensor):
-        self.x = x
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        L, H, S, d = self.x.shape
-        return (L, S, H * d)
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    def __getitem__(self, key: tuple) -> torch.Tensor:
-        layers, tokens = key
-        if layers != slice(None) or not isinstance(tokens, slice):
-            raise IndexError("HeadMajorRows takes [:, start:end]")
-        return rows_copy(self.x[:, :, tokens])
-
-
 def from_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Inverse of :func:`to_rows`."""
     L, S, D = x.shape
@@ -120,29 +96,54 @@ def shift_to_rows(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> tor
     return out.view(L, S, H * hd)
 
 
-def rows_to_keys(
-    rows: torch.Tensor,
-    delta: int,
-    inv_freq: torch.Tensor,
-    kv_heads: int,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
+def rotate_rows(rows: torch.Tensor, delta: int, inv_freq: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Row-layout keys (``[layers, R, kv_heads * hd]``, e.g. the ``B`` factors of key anchors) rotated by
+    ``delta`` positions, in their dtype (float32 math). For a low-rank key factor ``A B`` in coordinates
+    ``p``, ``A rotate_rows(B, d)`` is the same factor in coordinates ``p + d``: the rotation is a
+    block-diagonal orthogonal map on each row, so it moves onto the ``R`` rows of ``B`` (orthonormal
+    rows stay orthonormal) instead of the ``S`` rows of the segment."""
+    if delta == 0:
+        return rows
+    return to_rows(shift_keys(from_rows(rows, kv_heads), delta, inv_freq)).contiguous()
+
+
+def operand_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMM operand of the distances from a block of rows: ``to_rows(x)`` in ``dtype`` (one copy
+    from a head-major ``[layers, kv_heads, t, hd]`` block; row-layout ``[layers, t, D]`` blocks are
+    converted as they are) and its squared norm per token summed over layers (float32, ``[t]``, taken
+    from ``x`` itself, not from the converted copy)."""
+    if x.dim() == 3:
+        return x.to(dtype), token_sqnorms(x.float())
+    L, H, t, d = x.shape
+    rows = torch.empty(L, t, H, d, dtype=dtype, device=x.device)
+    rows.copy_(x.permute(0, 2, 1, 3))
+    xf = x if x.dtype == torch.float32 else x.float()
+    return rows.view(L, t, H * d), torch.linalg.vecdot(xf, xf).sum(dim=(0, 1))
+
+
+def add_shift_into(
+    dst: torch.Tensor, x: torch.Tensor, delta: int, inv_freq: torch.Tensor, corr: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``shift_keys(from_rows(rows), delta)`` in one pass, as a contiguous ``[layers, kv_heads, S, hd]``
-    (or written into ``out``, a view of that shape, float32 ones directly)."""
-    L, S, D = rows.shape
-    hd = D // kv_heads
+    """``dst <- shift_keys(x + from_rows(corr), delta)``: head-major ``x`` (``[layers, kv_heads, t, hd]``)
+    plus an optional row-layout correction (``[layers, t, kv_heads * hd]``, any float dtype), rotated by
+    ``delta`` positions (0: none, e.g. values) and written into ``dst`` (same shape as ``x``, any
+    strides). The sum and the rotation run in float32; the result is rounded once, into ``dst``'s dtype."""
+    L, H, t, hd = x.shape
+    if delta == 0:
+        return dst.copy_(x) if corr is None else torch.add(x, from_rows(corr, H), out=dst)
+    if corr is None:
+        s = x
+    else:
+        s = torch.empty(L, H, t, hd, dtype=torch.float32, device=x.device)
+        torch.add(x, from_rows(corr, H), out=s)
     h = hd // 2
-    c, s = (t.to(rows.device) for t in rope_shift_halves(inv_freq, delta))
-    x = rows.view(L, S, kv_heads, hd).permute(0, 2, 1, 3)
-    direct = out is not None and out.dtype == torch.float32
-    dst = out if direct else torch.empty(L, kv_heads, S, hd, dtype=torch.float32, device=rows.device)
-    torch.mul(x, torch.cat([c, c]), out=dst)
-    dst[..., :h].addcmul_(x[..., h:], s, value=-1.0)
-    dst[..., h:].addcmul_(x[..., :h], s)
-    if out is not None:
-        return out if direct else out.copy_(dst)
-    return dst if dtype == torch.float32 else dst.to(dtype)
+    c, sn = (v.to(x.device) for v in rope_shift_halves(inv_freq, delta))
+    direct = dst.dtype == torch.float32
+    out = dst if direct else torch.empty(L, H, t, hd, dtype=torch.float32, device=x.device)
+    torch.mul(s, torch.cat([c, c]), out=out)
+    out[..., :h].addcmul_(s[..., h:], sn, value=-1.0)
+    out[..., h:].addcmul_(s[..., :h], sn)
+    return dst if direct else dst.copy_(out)
 
 
 def lowrank_sqdist(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
