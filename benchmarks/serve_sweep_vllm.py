@@ -287,7 +287,9 @@ def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -
     report's minus the previous report's (a method's first point, QPS 0, also holds its warm-up, so
     it is not printed). The thread runs its jobs one at a time, plans first (``worker.Jobs``); a
     request's plan wait (p50/p90, from its record) is the time the thread spent on other jobs
-    after the worker heard of it (runs before the field existed print "-")."""
+    after the worker heard of it (runs before the field existed print "-"). Per request, the busy
+    seconds are also split by kind of job (plan, first_token, finish, report) where the worker
+    reports them (``method_work_<kind>_s``)."""
     console.print(
         "vLLM worker's method thread at each QPS point > 0: busy seconds (all its jobs), per request, and as a "
         "share of the point's makespan; requests' plan wait p50/p90"
@@ -311,10 +313,18 @@ def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -
                 "plan_wait_p50_s": row.get("plan_wait_p50_s"),
                 "plan_wait_p90_s": row.get("plan_wait_p90_s"),
             }
+            kinds = {
+                k[len("method_work_") : -len("_s")]: (p[k] - prev.get(k, 0.0)) / row["n_requests"]
+                for k in sorted(p)
+                if k.startswith("method_work_") and k != "method_work_s" and p[k] is not None
+            }
+            fig["per_request_by_kind_s"] = kinds
             out.setdefault(str(s), {}).setdefault(p["method"], {})[str(p["qps"])] = fig
+            split = ", ".join(f"{k} {v:.3f}" for k, v in kinds.items())
             console.print(
                 f"  {s:>5} shared, {p['method']:<12} QPS {p['qps']:.3g}: busy {busy:.2f} s, "
-                f"{fig['per_request_s']:.3f} s per request, {_fmt(fig['busy_share'], '.0%')} of the makespan; "
+                f"{fig['per_request_s']:.3f} s per request{f' ({split})' if split else ''}, "
+                f"{_fmt(fig['busy_share'], '.0%')} of the makespan; "
                 f"plan wait {_fmt(fig['plan_wait_p50_s'], '.3f')} / {_fmt(fig['plan_wait_p90_s'], '.3f')} s"
             )
     return out

@@ -5,6 +5,7 @@ tensor-parallel ranks keep one FIFO order."""
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -81,3 +82,22 @@ def test_tensor_parallel_ranks_keep_arrival_order():
     shards = HeadShards(0, 2, 2, lambda t: t)
     assert WorkerRuntime(_facts(shards), set()).jobs.prioritize is False
     assert WorkerRuntime(_facts(), set()).jobs.prioritize is True
+
+
+def test_method_work_is_timed_by_kind_of_job():
+    """A queued 50 ms anchor-update job, a request's plan and its finish: each kind's busy seconds
+    are recorded apart, and together they stay within the thread's total."""
+    rt = WorkerRuntime(_facts(), set())
+    rt.submit(lambda: time.sleep(0.05), kind="first_token")
+    req = Request("A", [Segment("PF", [1, 2, 3])], 2, node="A")
+    meta = agent_params("s", "nonshared", {}, "t", 0, req, [], "k0", last=True)["kvcmas"]
+    rt.new_request("r0", meta, req.prompt_ids)
+    rt.finished("r0", [5, 6])
+    rt.drain()
+    kinds = dict(rt.busy_by_kind)
+    named = {"first_token", "plan", "finish"}
+    assert named <= set(kinds) <= named | {"other"}  # drain's own job is "other" (maybe not counted yet)
+    assert 0.05 <= kinds["first_token"] < 1.0
+    assert kinds["plan"] > 0.0 and kinds["finish"] > 0.0
+    assert sum(kinds[k] for k in named) <= rt.busy_s + 1e-6  # each was added to the total after it ran
+    rt.close()

@@ -251,6 +251,8 @@ class WorkerRuntime:
         self.errors: dict[str, str] = {}
         self.jobs = Jobs(prioritize=self.shards is None or self.shards.world <= 1)
         self.busy_s = 0.0
+        #: busy seconds by kind of job (:meth:`submit`'s ``kind``)
+        self.busy_by_kind: dict[str, float] = {}
         #: the most :meth:`held_bytes` since the previous report (:meth:`_note_held`)
         self.held_peak = 0
         self._thread = threading.Thread(target=self._loop, name="kvcmas-method-work", daemon=True)
@@ -269,10 +271,21 @@ class WorkerRuntime:
                 traceback.print_exc()
             self.busy_s += time.perf_counter() - t0
 
-    def submit(self, fn: Callable[[], None], urgent: bool = False, trajectory: Hashable = None) -> None:
+    def submit(
+        self, fn: Callable[[], None], urgent: bool = False, trajectory: Hashable = None, kind: str = "other"
+    ) -> None:
         """Queue method work (:class:`Jobs`): ``urgent`` for a plan, ``trajectory`` (session,
-        trajectory) for work whose order within its trajectory matters."""
-        self.jobs.put(fn, urgent, trajectory)
+        trajectory) for work whose order within its trajectory matters. Its run time is added to
+        :attr:`busy_by_kind` under ``kind`` (plan, first_token, finish, report)."""
+
+        def job() -> None:
+            t0 = time.perf_counter()
+            try:
+                fn()
+            finally:
+                self.busy_by_kind[kind] = self.busy_by_kind.get(kind, 0.0) + time.perf_counter() - t0
+
+        self.jobs.put(job, urgent, trajectory)
 
     def drain(self) -> None:
         """Wait until every queued job ran (tests)."""
@@ -306,11 +319,11 @@ class WorkerRuntime:
                 self.live[req_id] = Live(meta, capture=Capture(0, k, v), ids=tuple(prompt))
             return
         if op == "report":
-            self.submit(lambda: self._report(req_id, meta))
+            self.submit(lambda: self._report(req_id, meta), kind="report")
             return
         with self.lock:
             self.live[req_id] = Live(meta, waits=waits_for_plan(meta))
-        self.submit(lambda: self._plan(req_id, meta, prompt), urgent=True, trajectory=_traj_key(meta))
+        self.submit(lambda: self._plan(req_id, meta, prompt), urgent=True, trajectory=_traj_key(meta), kind="plan")
 
     def _plan(self, req_id: str, meta: dict, prompt: list[int]) -> None:
         live = self.live[req_id]
@@ -390,7 +403,9 @@ class WorkerRuntime:
         agent = live.trajectory.agent
         if agent is not None and all(c.complete for c in agent.captures):
             live.prompt_done = True
-            self.submit(lambda: live.trajectory.first_token(0.0, None), trajectory=_traj_key(live.meta))
+            self.submit(
+                lambda: live.trajectory.first_token(0.0, None), trajectory=_traj_key(live.meta), kind="first_token"
+            )
 
     def finished(self, req_id: str, output: list[int]) -> None:
         """The request completed with ``output`` tokens: chain its caches and write its record."""
@@ -401,7 +416,7 @@ class WorkerRuntime:
             with self.lock:
                 self.live.pop(req_id, None)
             return
-        self.submit(lambda: self._finish(req_id, live, list(output)), trajectory=_traj_key(live.meta))
+        self.submit(lambda: self._finish(req_id, live, list(output)), trajectory=_traj_key(live.meta), kind="finish")
 
     def _finish(self, req_id: str, live: Live, output: list[int]) -> None:
         with self.lock:
@@ -450,6 +465,9 @@ class WorkerRuntime:
                 "trajectory_bytes_at_completion_max": max(done) if done else None,
                 "trajectory_bytes_at_completion_mean": sum(done) / len(done) if done else None,
                 "method_work_s": self.busy_s,
+                # the same by kind of job, as method_work_<kind>_s: plan (gate, corrections),
+                # first_token (anchor updates after the first token), finish (chaining, records), report
+                **{f"method_work_{k}_s": v for k, v in self.busy_by_kind.items()},
             }
             layout = getattr(sess.method, "state_layout", None)
             if callable(layout):
