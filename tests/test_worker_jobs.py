@@ -4,17 +4,15 @@ tensor-parallel ranks keep one FIFO order."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
-import pytest
 import torch
 
 from kvcmas_bench.engine import Request, Segment
 from kvcmas_bench.serving.vllm.flow import ModelFacts
 from kvcmas_bench.serving.vllm.tp import HeadShards
-from kvcmas_bench.serving.vllm.worker import Jobs, WorkerRuntime, agent_params, widen_affinity
+from kvcmas_bench.serving.vllm.worker import Jobs, WorkerRuntime, agent_params
 
 
 def _order(jobs: Jobs, n: int) -> list[str]:
@@ -103,27 +101,3 @@ def test_method_work_is_timed_by_kind_of_job():
     assert kinds["plan"] > 0.0 and kinds["finish"] > 0.0
     assert sum(kinds[k] for k in named) <= rt.busy_s + 1e-6  # each was added to the total after it ran
     rt.close()
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no per-thread CPU affinity here")
-def test_method_thread_leaves_the_single_cpu_it_inherited():
-    """vLLM's CPU worker pins its main thread to one CPU and threads it starts inherit that. A thread
-    pinned to one CPU that widens its affinity may then run on every CPU the parent process may use;
-    the thread that started it keeps its own single CPU (affinity is per thread)."""
-    parent = set(os.sched_getaffinity(os.getppid()))
-    first = min(os.sched_getaffinity(0))
-    before = set(os.sched_getaffinity(0))
-    got: dict = {}
-
-    def pinned_then_widened():
-        os.sched_setaffinity(0, {first})
-        got["pinned"] = set(os.sched_getaffinity(0))
-        got["returned"] = widen_affinity()
-        got["after"] = set(os.sched_getaffinity(0))
-
-    th = threading.Thread(target=pinned_then_widened)
-    th.start()
-    th.join(10)
-    assert got["pinned"] == {first}
-    assert got["after"] == got["returned"] == parent | {first}
-    assert set(os.sched_getaffinity(0)) == before

@@ -26,7 +26,6 @@ plan code.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import traceback
@@ -174,23 +173,6 @@ class Live:
     plan_wait_s: float | None = None
 
 
-def widen_affinity() -> set[int] | None:
-    """Let the calling thread run on every CPU the worker's parent process may use; returns that set
-    (None where the OS has no per-thread affinity or refuses). vLLM's CPU worker binds its threads
-    (``VLLM_CPU_OMP_THREADS_BIND=auto``: the main thread and OpenMP thread 0 on CPU 0, the next on
-    CPU 1, ...), and a thread it starts afterwards inherits the main thread's single CPU, sharing it
-    with the forward pass's main thread. Not used under tensor parallelism, where each rank keeps
-    the CPUs it was given. On Linux, affinity set with pid 0 is the calling thread's own."""
-    if not hasattr(os, "sched_setaffinity"):
-        return None
-    try:
-        cpus = set(os.sched_getaffinity(os.getppid())) | set(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, cpus)
-        return set(os.sched_getaffinity(0))
-    except OSError:
-        return None
-
-
 class Jobs:
     """The method thread's queue. A plan (``urgent``: a request is held until it is in) runs before
     background work (anchor updates, chaining, records, reports), except the background jobs of its
@@ -269,8 +251,6 @@ class WorkerRuntime:
         self.errors: dict[str, str] = {}
         self.jobs = Jobs(prioritize=self.shards is None or self.shards.world <= 1)
         self.busy_s = 0.0
-        #: the CPUs the method thread may run on after :func:`widen_affinity` (None: left as it was)
-        self.thread_cpus: set[int] | None = None
         #: busy seconds by kind of job (:meth:`submit`'s ``kind``)
         self.busy_by_kind: dict[str, float] = {}
         #: the most :meth:`held_bytes` since the previous report (:meth:`_note_held`)
@@ -280,8 +260,6 @@ class WorkerRuntime:
 
     # ---- the background thread -----------------------------------------------------------------
     def _loop(self) -> None:
-        if self.shards is None or self.shards.world <= 1:
-            self.thread_cpus = widen_affinity()
         while True:
             fn = self.jobs.get()
             if fn is None:
@@ -487,7 +465,6 @@ class WorkerRuntime:
                 "trajectory_bytes_at_completion_max": max(done) if done else None,
                 "trajectory_bytes_at_completion_mean": sum(done) / len(done) if done else None,
                 "method_work_s": self.busy_s,
-                "method_thread_cpus": None if self.thread_cpus is None else len(self.thread_cpus),
                 # the same by kind of job, as method_work_<kind>_s: plan (gate, corrections),
                 # first_token (anchor updates after the first token), finish (chaining, records), report
                 **{f"method_work_{k}_s": v for k, v in self.busy_by_kind.items()},
