@@ -250,8 +250,7 @@ class WorkerRuntime:
         self.answers: dict[str, list] = {}
         self.errors: dict[str, str] = {}
         self.jobs = Jobs(prioritize=self.shards is None or self.shards.world <= 1)
-        self.busy_s = 0.0
-        #: busy seconds by kind of job (:meth:`submit`'s ``kind``)
+        #: busy seconds by kind of job (:meth:`submit`'s ``kind``); :attr:`busy_s` is their sum
         self.busy_by_kind: dict[str, float] = {}
         #: the most :meth:`held_bytes` since the previous report (:meth:`_note_held`)
         self.held_peak = 0
@@ -264,12 +263,15 @@ class WorkerRuntime:
             fn = self.jobs.get()
             if fn is None:
                 return
-            t0 = time.perf_counter()
             try:
                 fn()
             except Exception:  # a failed job must not stop the worker: report it, go on
                 traceback.print_exc()
-            self.busy_s += time.perf_counter() - t0
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the method thread has spent on jobs since it started."""
+        return sum(self.busy_by_kind.values())
 
     def submit(
         self, fn: Callable[[], None], urgent: bool = False, trajectory: Hashable = None, kind: str = "other"
