@@ -19,11 +19,11 @@ def to_rows(x: torch.Tensor) -> torch.Tensor:
     return x.permute(0, 2, 1, 3).reshape(L, S, H * d)
 
 
-def rows_copy(x: torch.Tensor) -> torch.Tensor:
-    """A fresh float32 ``to_rows(x)`` in one pass: never a view of ``x``, whatever its strides
-    (corrections are added to it in place)."""
+def rows_copy(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A fresh ``to_rows(x)`` in ``dtype`` (default float32) in one pass: never a view of ``x``,
+    whatever its strides (corrections are added to it in place)."""
     L, H, S, d = x.shape
-    out = torch.empty(L, S, H, d, dtype=torch.float32, device=x.device)
+    out = torch.empty(L, S, H, d, dtype=dtype, device=x.device)
     out.copy_(x.permute(0, 2, 1, 3))
     return out.view(L, S, H * d)
 
@@ -117,11 +117,8 @@ def operand_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     from ``x`` itself, not from the converted copy)."""
     if x.dim() == 3:
         return x.to(dtype), token_sqnorms(x.float())
-    L, H, t, d = x.shape
-    rows = torch.empty(L, t, H, d, dtype=dtype, device=x.device)
-    rows.copy_(x.permute(0, 2, 1, 3))
     xf = x if x.dtype == torch.float32 else x.float()
-    return rows.view(L, t, H * d), torch.linalg.vecdot(xf, xf).sum(dim=(0, 1))
+    return rows_copy(x, dtype), torch.linalg.vecdot(xf, xf).sum(dim=(0, 1))
 
 
 def add_shift_into(
