@@ -279,6 +279,15 @@ def worker_reports(root: Path, shared: int) -> tuple[Path, list | None]:
     return cfg_path, json.loads(cfg_path.read_text()).get("backend_config", {}).get("worker_reports")
 
 
+def _per_request(p: dict, prev: dict, prefix: str, n: int) -> dict[str, float]:
+    """A worker report's ``<prefix><kind>_s`` figures over one point (minus the previous report), per request."""
+    return {
+        k[len(prefix) : -len("_s")]: (p[k] - prev.get(k, 0.0)) / n
+        for k in sorted(p)
+        if k.startswith(prefix) and k.endswith("_s") and k != prefix + "s" and p[k] is not None
+    }
+
+
 def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -> dict:
     """Per shared length, method and QPS point > 0, the busy seconds of the vLLM worker's method
     thread during the point (every job it ran: planning, gate and correction, chaining, anchor
@@ -289,7 +298,8 @@ def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -
     request's plan wait (p50/p90, from its record) is the time the thread spent on other jobs
     after the worker heard of it (runs before the field existed print "-"). Per request, the busy
     seconds are also split by kind of job (plan, first_token, finish, report) where the worker
-    reports them (``method_work_<kind>_s``)."""
+    reports them (``method_work_<kind>_s``), each with the thread's CPU seconds for it where
+    reported (``method_cpu_<kind>_s``; the rest of the busy time waited for a core or the GIL)."""
     console.print(
         "vLLM worker's method thread at each QPS point > 0: busy seconds (all its jobs), per request, and as a "
         "share of the point's makespan; requests' plan wait p50/p90"
@@ -313,14 +323,15 @@ def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -
                 "plan_wait_p50_s": row.get("plan_wait_p50_s"),
                 "plan_wait_p90_s": row.get("plan_wait_p90_s"),
             }
-            kinds = {
-                k[len("method_work_") : -len("_s")]: (p[k] - prev.get(k, 0.0)) / row["n_requests"]
-                for k in sorted(p)
-                if k.startswith("method_work_") and k != "method_work_s" and p[k] is not None
-            }
+            kinds = _per_request(p, prev, "method_work_", row["n_requests"])
+            cpu = _per_request(p, prev, "method_cpu_", row["n_requests"])
             fig["per_request_by_kind_s"] = kinds
+            if cpu:
+                fig["per_request_cpu_by_kind_s"] = cpu
             out.setdefault(str(s), {}).setdefault(p["method"], {})[str(p["qps"])] = fig
-            split = ", ".join(f"{k} {v:.3f}" for k, v in kinds.items())
+            split = ", ".join(
+                f"{k} {v:.3f}" + (f" (cpu {cpu[k]:.3f})" if k in cpu and v > 0 else "") for k, v in kinds.items()
+            )
             console.print(
                 f"  {s:>5} shared, {p['method']:<12} QPS {p['qps']:.3g}: busy {busy:.2f} s, "
                 f"{fig['per_request_s']:.3f} s per request{f' ({split})' if split else ''}, "

@@ -4,9 +4,12 @@ tensor-parallel ranks keep one FIFO order."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 import time
 
+import pytest
 import torch
 
 from kvcmas_bench.engine import Request, Segment
@@ -100,4 +103,38 @@ def test_method_work_is_timed_by_kind_of_job():
     assert 0.05 <= kinds["first_token"] < 1.0
     assert kinds["plan"] > 0.0 and kinds["finish"] > 0.0
     assert sum(kinds[k] for k in named) <= rt.busy_s + 1e-6  # each was added to the total after it ran
+    rt.close()
+
+
+def test_method_thread_cpu_seconds_leave_out_waiting():
+    """A job that sleeps 0.1 s is busy that long but uses almost no CPU; a job that spins until its
+    own thread has used 0.05 s of CPU is recorded with at least that, and never above its wall time."""
+    rt = WorkerRuntime(_facts(), set())
+
+    def spin() -> None:
+        c0 = time.thread_time()
+        while time.thread_time() - c0 < 0.05:
+            pass
+
+    rt.submit(lambda: time.sleep(0.1), kind="first_token")
+    rt.submit(spin, kind="plan")
+    rt.drain()
+    assert rt.busy_by_kind["first_token"] >= 0.1 and rt.cpu_by_kind["first_token"] < 0.05
+    assert 0.05 <= rt.cpu_by_kind["plan"] <= rt.busy_by_kind["plan"] + 1e-3
+    rt.close()
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+def test_method_thread_limits_mkl_to_one_thread_of_its_own():
+    """The method thread runs MKL on one thread (its LAPACK on a second thread with the process's
+    thread count is ~10x slower, see limit_blas_threads); the starting thread's MKL and torch thread
+    counts stay as they were."""
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    mkl_before, torch_before = lib.MKL_Get_Max_Threads(), torch.get_num_threads()
+    rt = WorkerRuntime(_facts(), set())
+    seen = []
+    rt.submit(lambda: seen.append(lib.MKL_Get_Max_Threads()))
+    rt.drain()
+    assert rt.blas_threads == 1 and seen == [1]
+    assert lib.MKL_Get_Max_Threads() == mkl_before and torch.get_num_threads() == torch_before
     rt.close()

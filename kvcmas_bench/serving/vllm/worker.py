@@ -26,6 +26,8 @@ plan code.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 import time
 import traceback
@@ -173,6 +175,30 @@ class Live:
     plan_wait_s: float | None = None
 
 
+def limit_blas_threads(n: int) -> int | None:
+    """Limit MKL to ``n`` threads for the calling thread only (``MKL_Set_Num_Threads_Local``); MKL's
+    thread count for this thread afterwards, or None where torch's build exports no MKL.
+
+    The method thread needs it: MKL's LAPACK, run from a thread other than the main one while MKL
+    keeps the process's thread count (2 here), is an order of magnitude slower. On this 2-core
+    machine one batched ``torch.linalg.eigh`` of 30 192x192 Gram matrices (an anchor factorization's
+    core) took 0.49 s on a second thread against 0.044 s on the main thread, and 0.046 s on the
+    second thread once limited to one thread. ``torch.set_num_threads`` cannot do this: it is
+    process-wide (it slowed the main thread's GEMMs too), and vLLM's CPU worker replaces it with a
+    no-op once its threads are bound. The forward's OpenMP threads are left alone."""
+    import torch
+
+    if not torch.backends.mkl.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        set_local, get_max = lib.MKL_Set_Num_Threads_Local, lib.MKL_Get_Max_Threads
+    except (OSError, AttributeError):
+        return None
+    set_local(int(n))
+    return int(get_max())
+
+
 class Jobs:
     """The method thread's queue. A plan (``urgent``: a request is held until it is in) runs before
     background work (anchor updates, chaining, records, reports), except the background jobs of its
@@ -252,13 +278,19 @@ class WorkerRuntime:
         self.jobs = Jobs(prioritize=self.shards is None or self.shards.world <= 1)
         #: busy seconds by kind of job (:meth:`submit`'s ``kind``); :attr:`busy_s` is their sum
         self.busy_by_kind: dict[str, float] = {}
+        #: the thread's CPU seconds by kind (:func:`time.thread_time`): below :attr:`busy_by_kind`
+        #: by the time its jobs waited for a core or for the GIL
+        self.cpu_by_kind: dict[str, float] = {}
         #: the most :meth:`held_bytes` since the previous report (:meth:`_note_held`)
         self.held_peak = 0
+        #: MKL's threads for the method thread (:func:`limit_blas_threads`; None: no MKL)
+        self.blas_threads: int | None = None
         self._thread = threading.Thread(target=self._loop, name="kvcmas-method-work", daemon=True)
         self._thread.start()
 
     # ---- the background thread -----------------------------------------------------------------
     def _loop(self) -> None:
+        self.blas_threads = limit_blas_threads(1)
         while True:
             fn = self.jobs.get()
             if fn is None:
@@ -281,11 +313,12 @@ class WorkerRuntime:
         :attr:`busy_by_kind` under ``kind`` (plan, first_token, finish, report)."""
 
         def job() -> None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 fn()
             finally:
                 self.busy_by_kind[kind] = self.busy_by_kind.get(kind, 0.0) + time.perf_counter() - t0
+                self.cpu_by_kind[kind] = self.cpu_by_kind.get(kind, 0.0) + time.thread_time() - c0
 
         self.jobs.put(job, urgent, trajectory)
 
@@ -470,6 +503,9 @@ class WorkerRuntime:
                 # the same by kind of job, as method_work_<kind>_s: plan (gate, corrections),
                 # first_token (anchor updates after the first token), finish (chaining, records), report
                 **{f"method_work_{k}_s": v for k, v in self.busy_by_kind.items()},
+                # and the method thread's CPU seconds of the same jobs, as method_cpu_<kind>_s
+                **{f"method_cpu_{k}_s": v for k, v in self.cpu_by_kind.items()},
+                "method_thread_blas_threads": self.blas_threads,
             }
             layout = getattr(sess.method, "state_layout", None)
             if callable(layout):
