@@ -36,6 +36,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+import torch
+
 from ...engine import Request, Segment, SegmentKV
 from ...methods.knobs import method_class
 from ...workflow import Node
@@ -186,8 +188,6 @@ def limit_blas_threads(n: int) -> int | None:
     second thread once limited to one thread. ``torch.set_num_threads`` cannot do this: it is
     process-wide (it slowed the main thread's GEMMs too), and vLLM's CPU worker replaces it with a
     no-op once its threads are bound. The forward's OpenMP threads are left alone."""
-    import torch
-
     if not torch.backends.mkl.is_available():
         return None
     try:
