@@ -4,8 +4,6 @@ tensor-parallel ranks keep one FIFO order."""
 
 from __future__ import annotations
 
-import ctypes
-import os
 import threading
 import time
 
@@ -15,7 +13,7 @@ import torch
 from kvcmas_bench.engine import Request, Segment
 from kvcmas_bench.serving.vllm.flow import ModelFacts
 from kvcmas_bench.serving.vllm.tp import HeadShards
-from kvcmas_bench.serving.vllm.worker import Jobs, WorkerRuntime, agent_params
+from kvcmas_bench.serving.vllm.worker import Jobs, WorkerRuntime, agent_params, mkl_library
 
 
 def _order(jobs: Jobs, n: int) -> list[str]:
@@ -124,12 +122,12 @@ def test_method_thread_cpu_seconds_leave_out_waiting():
     rt.close()
 
 
-@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+@pytest.mark.skipif(mkl_library() is None, reason="torch built without MKL's per-thread controls")
 def test_method_thread_limits_mkl_to_one_thread_of_its_own():
     """The method thread runs MKL on one thread (its LAPACK on a second thread with the process's
     thread count is ~10x slower, see limit_blas_threads); the starting thread's MKL and torch thread
     counts stay as they were."""
-    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    lib = mkl_library()
     mkl_before, torch_before = lib.MKL_Get_Max_Threads(), torch.get_num_threads()
     rt = WorkerRuntime(_facts(), set())
     seen = []

@@ -188,15 +188,24 @@ def limit_blas_threads(n: int) -> int | None:
     second thread once limited to one thread. ``torch.set_num_threads`` cannot do this: it is
     process-wide (it slowed the main thread's GEMMs too), and vLLM's CPU worker replaces it with a
     no-op once its threads are bound. The forward's OpenMP threads are left alone."""
+    lib = mkl_library()
+    if lib is None:
+        return None
+    lib.MKL_Set_Num_Threads_Local(int(n))
+    return int(lib.MKL_Get_Max_Threads())
+
+
+def mkl_library() -> ctypes.CDLL | None:
+    """Torch's own ``libtorch_cpu`` when it exports MKL's per-thread controls
+    (``MKL_Set_Num_Threads_Local``, ``MKL_Get_Max_Threads``); None for a build without them."""
     if not torch.backends.mkl.is_available():
         return None
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
-        set_local, get_max = lib.MKL_Set_Num_Threads_Local, lib.MKL_Get_Max_Threads
+        lib.MKL_Set_Num_Threads_Local, lib.MKL_Get_Max_Threads  # noqa: B018  (both exported, or None)
     except (OSError, AttributeError):
         return None
-    set_local(int(n))
-    return int(get_max())
+    return lib
 
 
 class Jobs:
