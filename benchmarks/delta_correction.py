@@ -7,7 +7,9 @@ ratio beside its target:
   2. the correction of the longest segment (gate + weights + apply, V=10 anchors, all layers,
      accepted) against its own GEMM floor (the FLOPs of its GEMMs at the best measured throughput
      on their shapes) and against the dense prefill of the segment over the same prefix; goals
-     <= 2x floor, <= 3% of dense with float32 anchors and <= 2% with bfloat16 ones;
+     <= 2x floor, <= 3% of dense with float32 anchors and <= 2% with bfloat16 ones; then one more
+     correction under the torch profiler, its time split by kind of operator (GEMMs, element-wise
+     arithmetic, copies and conversions, other operators, and the rest: Python and dispatch);
   3. anchor construction after a dense fallback (canonical rotation, deltas, four rank-32
      factorizations, all layers) as a share of that dense prefill; goal <= 10%; with the Gram
      factorization's reconstruction error next to the exact truncated SVD's;
@@ -166,6 +168,59 @@ def gemm_floor(engine: Engine, gemms: list[Gemm], dtype, repeats: int) -> Floor:
     return Floor(gemms, times)
 
 
+#: aten operators by what they spend the correction's time on (self time, torch profiler)
+OP_KINDS = {
+    "GEMMs": ("aten::bmm", "aten::mm", "aten::addmm", "aten::baddbmm", "aten::matmul"),
+    "element-wise arithmetic": (
+        "aten::mul",
+        "aten::sum",
+        "aten::add",
+        "aten::addcmul_",
+        "aten::sub",
+        "aten::neg",
+        "aten::sqrt",
+        "aten::clamp_min_",
+        "aten::clamp_min",
+        "aten::_softmax",
+        "aten::div",
+        "aten::div_",
+        "aten::where",
+        "aten::abs",
+        "aten::isfinite",
+        "aten::ge",
+        "aten::argmax",
+        "aten::scatter_",
+        "aten::linalg_vecdot",
+        "aten::add_",
+        "aten::mul_",
+        "aten::square",
+        "aten::mean",
+    ),
+    "copies and conversions": ("aten::copy_", "aten::_to_copy", "aten::cat", "aten::stack", "aten::index_add_"),
+}
+
+
+def time_by_kind(fn, engine: Engine) -> tuple[float, dict[str, float]]:
+    """One run of ``fn`` under the torch profiler: its wall seconds and the operators' self time
+    (device time on CUDA) summed per :data:`OP_KINDS` kind; what no operator accounts for (Python,
+    dispatch, allocation, views) is the rest of the wall time. The profiler's own overhead lands in
+    that rest, so read the kinds as shares of one run, not as a second timing."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = engine.now()
+        fn()
+        wall = engine.now() - t0
+    kinds = dict.fromkeys([*OP_KINDS, "other operators"], 0.0)
+    which = {op: kind for kind, ops in OP_KINDS.items() for op in ops}
+    for ev in prof.key_averages():
+        us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+        kinds[which.get(ev.key, "other operators")] += us / 1e6
+    return wall, kinds
+
+
 def memory_table(engine, seg_all, pre_a, pre_b, lengths):
     inv = engine.inv_freq
     print(
@@ -219,6 +274,10 @@ def correction(engine, args, last, pre_b, d: Summary) -> dict:
                 f"{floor.flops / 1e9:.1f} GFLOP"
             )
         print(f"  anchors {name:>8}: correction {fmt(c)}")
+        wall, kinds = time_by_kind(one, engine)
+        parts = ", ".join(f"{k} {v:.3f} s ({v / wall:.0%})" for k, v in kinds.items())
+        rest = wall - sum(kinds.values())
+        print(f"    one more run under the profiler, {wall:.3f} s by operators' self time: {parts}, rest {rest:.3f} s")
         by_r = len({g.R for g in gemms}) > 1
         rates = ", ".join(
             f"{shape[0]}{f' R={shape[4]}' if by_r else ''} {floor.throughput(shape) / 1e9:.1f} GFLOP/s"
