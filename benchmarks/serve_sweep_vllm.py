@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import Summary, append_header, fmt, print_header, provenance, spread_verdict  # noqa: E402
 
-METHODS = "nonshared,fullshared,kvcmas,kvcomm"
+METHODS = "nonshared,fullshared,kvcmas,kvcomm,graphflow"
 
 
 def _table(console, shared: int, grids: dict, methods: list[str]) -> None:

@@ -431,7 +431,7 @@ def test_warmup_trajectories_are_served_before_measurement_and_excluded(tmp_path
 
 @pytest.mark.parametrize(
     "methods,says",
-    [("nonshared,graphflow", "cannot run graphflow: its offline calibration"), ("nonshared,nosuch", "unknown method")],
+    [("nonshared,droidspeak", "cannot run droidspeak: it enters layers"), ("nonshared,nosuch", "unknown method")],
 )
 def test_vllm_benchmark_refuses_a_method_the_server_cannot_run_before_it_measures(tmp_path, methods, says):
     """The script measures the in-process engine first (tens of minutes); a method the vLLM server

@@ -429,6 +429,43 @@ def test_cacheblend_on_the_server_is_the_in_process_cacheblend(srv, tiny_dir):
 
 
 @needs_vllm
+def test_graphflow_calibrated_in_the_worker_on_the_served_trajectory_reproduces_nonshared(srv):
+    """GraphFlow calibrated over HTTP on one held-out copy of the trajectory it then serves: each
+    relation (slot, consumer) was seen once, so its mean correction is that segment's own
+    ``C_j - align(C_ref)`` and ``align(C_ref) + Delta_j`` is the exact cache. Every shared segment
+    is corrected (the first agent's included: GraphFlow reuses a context-free reference) and the
+    first tokens and logprobs are NonShared's."""
+    import dataclasses
+
+    tr = _traces(srv, 1, ctx=110, seed=21)[0]
+    ns, ns_lp, _ = _run(srv, tr, _spec("nonshared"))
+    m = srv.prepare(_spec("graphflow"), [dataclasses.replace(tr, split="calibration")])
+    shared = sum(1 for r in ns for s in r.segments if s.kind == "PH")
+    assert srv.last_calibration["observations"] == shared  # one per shared segment of the trajectory
+    assert len(srv.last_calibration["config"]["relations"]) == shared
+    recs, lps, _ = _run(srv, tr, m)
+    statuses = [s.status for r in recs for s in r.segments if s.kind == "PH"]
+    assert len(statuses) == shared and all(s == "corrected" for s in statuses)
+    assert all(r.prefilled_tokens < r.prompt_tokens for r in recs)
+    assert [r.first_token_id for r in recs] == [r.first_token_id for r in ns]
+    for a, b in zip(lps, ns_lp):
+        assert _same(a, b, tol=1e-3)
+
+
+@needs_vllm
+def test_graphflow_on_the_server_refuses_to_run_uncalibrated(srv):
+    """No calibration trajectory: one clear error before anything is served; a calibrate request
+    with nothing recorded is answered with the worker's error, not a silent empty table."""
+    from kvcmas_bench.errors import BenchError
+
+    with pytest.raises(BenchError, match="needs calibration trajectories"):
+        srv.prepare(_spec("graphflow"), [])
+    _, sess = srv.session(_spec("graphflow"))
+    with pytest.raises(BenchError, match="no observations"):
+        srv.calibrate(sess, [])
+
+
+@needs_vllm
 def test_injected_kv_is_never_served_from_the_prefix_cache(srv):
     tr = _traces(srv, 1, ctx=128, seed=9)[0]
     recs, _, _ = _run(srv, tr, _spec("fullshared"))
@@ -510,7 +547,7 @@ def test_method_work_does_not_stall_a_co_running_stream(srv):
 def test_serve_sweep_on_the_vllm_server_writes_records_and_names_the_engine(srv, tiny_dir, tmp_path):
     out = tmp_path / "sweep"
     args = ["serve-sweep", "--engine", "vllm", "--model", tiny_dir, "--dtype", "float32"]
-    args += ["--method", "nonshared,fullshared,kvcmas,kvcomm", "--qps", "0,8", "--shared-tokens", "64"]
+    args += ["--method", "nonshared,fullshared,kvcmas,kvcomm,graphflow", "--qps", "0,8", "--shared-tokens", "64"]
     args += ["--trajectories", "2", "--output-tokens", "3", "--calib-trajectories", "2", "-o", str(out)]
     args += ["--engine-arg", f"base_url={srv.base_url}"]
     assert run_cli(args) == 0
@@ -519,17 +556,23 @@ def test_serve_sweep_on_the_vllm_server_writes_records_and_names_the_engine(srv,
     assert summary["engine"] == "vllm" and "vllm serve" in config["backend_config"]["engine"]
     points = config["backend_config"]["worker_reports"]  # the worker's figures per method and QPS point
     assert sorted((p["method"], p["qps"]) for p in points) == sorted(
-        (m, q) for m in ("nonshared", "fullshared", "kvcmas", "kvcomm") for q in (0.0, 8.0)
+        (m, q) for m in ("nonshared", "fullshared", "kvcmas", "kvcomm", "graphflow") for q in (0.0, 8.0)
     )
     assert all(p["live_trajectories"] == 0 and p["trajectories_completed"] == 2 for p in points)
     reqs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
-    assert len(reqs) == 4 * 2 * 2 * 4
+    assert len(reqs) == 5 * 2 * 2 * 4
     for r in reqs:
         assert r["arrival_s"] <= r["start_s"] <= r["first_token_s"] <= r["completion_s"]
         assert r["output_tokens"] == 3
     kvcomm = [r for r in reqs if r["method"] == "kvcomm"]
     assert any(r["reference_tokens"] > 0 for r in kvcomm)  # context-free references captured on the worker
     assert any(s["status"] == "reused" for r in reqs if r["method"] == "fullshared" for s in r["segments"])
+    # GraphFlow calibrated in the worker on the 2 calibration trajectories (4 agents, every shared
+    # segment recorded), then corrected every shared segment of the measured ones
+    (cal,) = config["backend_config"]["calibrations"]
+    assert cal["method"] == "graphflow" and cal["observations"] >= 2 * 4 and cal["config"]["relations"]
+    graphflow = [s["status"] for r in reqs if r["method"] == "graphflow" for s in r["segments"] if s["kind"] == "PH"]
+    assert graphflow and all(st == "corrected" for st in graphflow)
 
 
 @needs_vllm

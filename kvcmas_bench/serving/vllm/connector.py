@@ -12,7 +12,7 @@ reach it in one of two ways:
   background thread has planned them with the method (the claim comes back in the worker
   metadata); requests of a method with nothing to plan (NonShared) get 0 at once and run as plain
   requests. Finished requests' outputs travel the same way, and report requests return the
-  records in the response's ``kv_transfer_params``.
+  records in the response's ``kv_transfer_params`` (calibrate requests: the calibration's summary).
 - **In-process** (``--engine vllm-inprocess``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the harness,
   both instances and :data:`STORE` share one process; the harness registers a :class:`Plan` under
   a key passed as ``{"kvcmas_key": key}``.
@@ -61,7 +61,7 @@ from .layers import MODEL_LOCK, LazyLayers
 from .layout import KVLayout, slots_at, slots_of
 from .plan import KEY, STORE, Capture, Plan  # noqa: F401  (Capture, Plan: re-exported for callers)
 from .tp import HeadShards, parallel_refusal
-from .worker import WorkerRuntime, params_of, waits_for_plan
+from .worker import ANSWERED_OPS, WorkerRuntime, params_of, waits_for_plan
 
 #: the worker side's runtime (one per worker process)
 RUNTIME: WorkerRuntime | None = None
@@ -185,7 +185,7 @@ class KVCMASConnector(KVConnectorBase_V1):
             if waits_for_plan(meta):
                 self._waits.add(rid)
         op = meta.get("op")
-        if op == "report":
+        if op in ANSWERED_OPS:
             return (0, False) if rid in self._answers else (None, False)
         if rid not in self._waits:
             return 0, False
@@ -264,6 +264,8 @@ class KVCMASConnector(KVConnectorBase_V1):
         self._claims.pop(rid, None)
         error = self._errors.pop(rid, None)
         meta = params_of(request) or {}
+        if meta.get("op") == "calibrate":
+            return False, {"kvcmas_reports": self._answers.pop(rid, [])}
         if meta.get("op") == "report":
             held = self._held_count.pop(str(meta.get("session")), 0)
             sched = {"requests_held_for_plan": held}

@@ -39,7 +39,7 @@ from ..traces import Trace
 from .backend import ServedModel, eos_ids
 from .flow import agent_output
 from .options import parse_engine_options
-from .worker import agent_params, capture_params, report_params
+from .worker import agent_params, calibrate_params, capture_params, report_params
 
 CONNECTOR_MODULE = "kvcmas_bench.serving.vllm.connector"
 CONNECTOR_CLASS = "KVCMASConnector"
@@ -358,6 +358,9 @@ class HTTPBackend(ServedModel):
         #: ``describe()["worker_reports"]``, hence in the sweep's ``config.json``
         self.point_reports: list[dict] = []
         self.last_session: dict = {}
+        #: the worker's summary of each calibration (:meth:`calibrate`), in ``describe()``
+        self.calibrations: list[dict] = []
+        self.last_calibration: dict | None = None
         self._n = 0
         if warmup:
             self._request([1] * 8, 2, None)
@@ -383,6 +386,7 @@ class HTTPBackend(ServedModel):
             "clock": "client wall clock (time.perf_counter); TTFT at the first streamed token",
             "prefix_cache": "salted per method session and QPS point; injected requests salted per request",
             "worker_reports": self.point_reports,
+            "calibrations": self.calibrations,
         }
 
     def close(self) -> None:
@@ -440,8 +444,18 @@ class HTTPBackend(ServedModel):
         else:
             ev.wait()
 
-    def _trajectory(self, sess: ClientSession, trace: Trace, qps, arrival: float | None, t0: float, out: list) -> None:
-        """One trajectory's agents in order; ``arrival`` (None: now, single stream) on the point's clock."""
+    def _trajectory(
+        self,
+        sess: ClientSession,
+        trace: Trace,
+        qps,
+        arrival: float | None,
+        t0: float,
+        out: list,
+        calibrating: bool = False,
+    ) -> None:
+        """One trajectory's agents in order; ``arrival`` (None: now, single stream) on the point's
+        clock. ``calibrating``: a held-out calibration trajectory the worker's recorder keeps."""
         now = lambda: time.perf_counter() - t0  # noqa: E731
         if arrival is not None and arrival > now():
             time.sleep(arrival - now())
@@ -470,6 +484,7 @@ class HTTPBackend(ServedModel):
                 last=i == n - 1,
                 capture_output=not stop_first,
                 ignore_eos=self.ignore_eos,
+                calibrating=calibrating,
             )
             salt = f"{sess.id}-{qps}" + (f"-{key}" if sess.name != "nonshared" else "")
             max_tokens = 1 if stop_first else req.max_new_tokens + 1
@@ -480,12 +495,12 @@ class HTTPBackend(ServedModel):
             outputs[spec.name] = toks
             out.append(AgentSent(key, trace.id, spec.name, arr, got, list(req.prompt_ids), len(toks)))
 
-    def _serve_point(self, sess: ClientSession, traces, arrivals, qps) -> list[AgentSent]:
+    def _serve_point(self, sess: ClientSession, traces, arrivals, qps, calibrating: bool = False) -> list[AgentSent]:
         sent: list[AgentSent] = []
         t0 = time.perf_counter()
         if arrivals is None:  # single stream: one trajectory after another
             for tr in traces:
-                self._trajectory(sess, tr, qps, None, t0, sent)
+                self._trajectory(sess, tr, qps, None, t0, sent, calibrating)
             return sent
         threads = []
         errors: list[BaseException] = []
@@ -517,6 +532,25 @@ class HTTPBackend(ServedModel):
             raise BenchError("the vLLM server did not answer the report (is it running KVCMASConnector?)")
         session = {**next((r["session"] for r in reports if "session" in r), {}), **params.get("kvcmas_scheduler", {})}
         return session, {r.pop("kvcmas_key"): r for r in reports if "kvcmas_key" in r}
+
+    def calibrate(self, sess: ClientSession, traces: Sequence[Trace]) -> dict:
+        """Offline calibration on the server: ``traces`` served single stream as calibration agents
+        (every shared segment prefilled by vLLM and recorded by the worker, with its context-free
+        reference when the method needs one), then one calibrate request builds the method's state
+        in the worker from those caches. Returns the worker's summary (observations, config)."""
+        self._system_prompts(sess, traces)
+        self._serve_point(sess, list(traces), None, "calibration", calibrating=True)
+        self.report(sess)  # the calibration agents' records are not measurements
+        resp = self._request([1], 1, calibrate_params(sess.id, sess.name, sess.options), salt=self._key())
+        answers = (resp.get("kv_transfer_params") or {}).get("kvcmas_reports")
+        if not answers:
+            raise BenchError("the vLLM server did not answer the calibration (is it running KVCMASConnector?)")
+        got = answers[0]
+        if "error" in got:
+            raise BenchError(f"calibration of {sess.label or sess.name} on the vLLM worker failed: {got['error']}")
+        self.last_calibration = got["calibration"]
+        self.calibrations.append({"method": sess.label or sess.name, **self.last_calibration})
+        return self.last_calibration
 
     def _records(self, sess: ClientSession, sent: list[AgentSent], qps) -> list[RequestRecord]:
         session, by_key = self.report(sess)
@@ -559,9 +593,16 @@ class HTTPBackend(ServedModel):
         return m, sess
 
     def prepare(self, spec: MethodSpec, calibration: Sequence[Trace]) -> Method:
-        """A fresh worker-side session; online learners warm up on every held-out trajectory."""
+        """A fresh worker-side session, calibrated in the worker on the held-out trajectories of split
+        "calibration" when the method needs it (:meth:`calibrate`); online learners warm up on every
+        held-out trajectory, the others on one."""
         m, sess = self.session(spec)
         held = list(calibration)
+        if m.needs_calibration:
+            calib = [t for t in held if t.split == "calibration"]
+            if not calib:
+                raise BenchError(f"method {spec.name!r} needs calibration trajectories (none given)")
+            self.calibrate(sess, calib)
         if self.warmup and held:
             self._system_prompts(sess, held)
             warm = held if m.learns_online else held[:1]
@@ -598,15 +639,7 @@ def point_report(method: str, traces: Sequence[Trace], qps, session: dict) -> di
 def why_not_http(method_cls) -> str | None:
     from . import why_not
 
-    reason = why_not(method_cls, partial_forwards=True)
-    if reason:
-        return reason
-    if getattr(method_cls, "needs_calibration", False):
-        return (
-            "its offline calibration is not sent over HTTP yet (use --engine vllm-inprocess, which calibrates "
-            "through vLLM in the harness's process)"
-        )
-    return None
+    return why_not(method_cls, partial_forwards=True)
 
 
 def _has_cuda() -> bool:

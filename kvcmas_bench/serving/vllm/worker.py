@@ -62,9 +62,12 @@ def agent_params(
     last: bool,
     capture_output: bool = True,
     ignore_eos: bool = True,
+    calibrating: bool = False,
 ) -> dict:
-    """``kv_transfer_params`` of one agent request: small metadata, never tensors."""
-    return {
+    """``kv_transfer_params`` of one agent request: small metadata, never tensors. ``calibrating``:
+    an agent of a held-out calibration trajectory, served densely while the session's recorder
+    keeps its caches (:meth:`WorkerRuntime._calibrate` then builds the method's state from them)."""
+    params = {
         PROTOCOL: {
             "v": VERSION,
             "op": "agent",
@@ -94,12 +97,26 @@ def agent_params(
             "key": key,
         }
     }
+    if calibrating:
+        params[PROTOCOL]["calibrating"] = True
+    return params
 
 
 def capture_params(session: str, what: str) -> dict:
     """A prefill-only request whose K/V (positions 0..) the worker keeps: ``what`` is "system" (an
     agent's system prompt, exact) or "reference" (a context-free prefill of shared content)."""
     return {PROTOCOL: {"v": VERSION, "op": "capture", "session": session, "what": what}}
+
+
+def calibrate_params(session: str, method: str, options: dict) -> dict:
+    """A one-token request that calibrates ``session``'s method (GraphFlow: its per-relation mean
+    corrections) on what the session's calibration agents recorded, answered like a report with
+    the calibration's summary (or its error)."""
+    return {PROTOCOL: {"v": VERSION, "op": "calibrate", "session": session, "method": method, "options": options}}
+
+
+#: operations answered in the finished response's ``kv_transfer_params`` (``kvcmas_reports``)
+ANSWERED_OPS = ("report", "calibrate")
 
 
 def report_params(session: str, end: bool = False) -> dict:
@@ -256,6 +273,9 @@ class Session:
     trajectories: OrderedDict = field(default_factory=OrderedDict)
     reports: list = field(default_factory=list)
     evicted: int = 0
+    #: what the session's calibration agents recorded (:class:`~kvcmas_bench.calibration.Recorder`:
+    #: dense prefills, their context-free references), until :meth:`WorkerRuntime._calibrate`
+    recorder: object | None = None
     #: since the previous report: the bytes each trajectory held when its last agent finished
     completed_bytes: list[int] = field(default_factory=list)
 
@@ -365,6 +385,9 @@ class WorkerRuntime:
         if op == "report":
             self.submit(lambda: self._report(req_id, meta), kind="report")
             return
+        if op == "calibrate":
+            self.submit(lambda: self._calibrate(req_id, meta), kind="calibrate")
+            return
         with self.lock:
             self.live[req_id] = Live(meta, waits=waits_for_plan(meta))
         self.submit(lambda: self._plan(req_id, meta, prompt), urgent=True, trajectory=_traj_key(meta), kind="plan")
@@ -378,8 +401,9 @@ class WorkerRuntime:
             sess = self.session(meta)
             traj = sess.trajectories.get(meta["trajectory"])
             if traj is None:
+                method = self._recorder(sess) if meta.get("calibrating") else sess.method
                 traj = TrajectoryRun(
-                    sess.rt, None, sess.method, bool(meta.get("capture_output", True)), trajectory_id=meta["trajectory"]
+                    sess.rt, None, method, bool(meta.get("capture_output", True)), trajectory_id=meta["trajectory"]
                 )
                 sess.trajectories[meta["trajectory"]] = traj
             sess.trajectories.move_to_end(meta["trajectory"])
@@ -421,6 +445,36 @@ class WorkerRuntime:
                 self.claims[req_id] = claim
                 if error:
                     self.errors[req_id] = error
+
+    @staticmethod
+    def _recorder(sess: Session):
+        """The session's recorder: every shared segment of a calibration agent prefilled by vLLM and
+        kept with its context-free reference when the method calibrates against one (GraphFlow),
+        as :func:`kvcmas_bench.calibration.collect` records on the other engines."""
+        if sess.recorder is None:
+            from ...calibration import Recorder
+
+            sess.recorder = Recorder(with_reference=bool(getattr(type(sess.method), "calibration_reference", False)))
+        return sess.recorder
+
+    def _calibrate(self, req_id: str, meta: dict) -> None:
+        """Calibrate the session's method on its recorder's observations (each rank on its own
+        heads), then drop them; the answer is the calibration's summary or its error."""
+        out: dict
+        try:
+            sess = self.session(meta)
+            obs = list(getattr(sess.recorder, "observations", None) or [])
+            if not obs:
+                raise RuntimeError("calibration produced no observations (no calibration agent was served)")
+            sess.method.calibrate(obs, self.facts.n_layers)
+            sess.recorder = None
+            out = {"calibration": {"observations": len(obs), "config": sess.method.config()}}
+        except Exception as exc:  # noqa: BLE001  (the client raises it as one line)
+            traceback.print_exc()
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        if self.publishes:
+            with self.lock:
+                self.answers[req_id] = [out]
 
     def plan_of(self, req_id: str) -> Plan | None:
         live = self.live.get(req_id)
