@@ -249,6 +249,35 @@ def test_worker_reports_its_peak_and_each_trajectorys_bytes_at_completion():
     assert again["trajectory_bytes_at_completion_max"] is None
 
 
+def test_references_belong_to_their_session_and_end_with_its_report():
+    """A context-free reference captured for session "a" serves a's planning only, and a's report
+    (the end of a QPS point) drops it: the next point sends and pays for its own, as the other
+    engines do. Bytes by hand: 2 layers x 1 KV head x 8 tokens x head_dim 8 x 4 bytes, K and V."""
+    from kvcmas_bench.serving.vllm.flow import ModelFacts, NeedKV
+    from kvcmas_bench.serving.vllm.worker import WorkerRuntime, capture_params, report_params
+
+    rt = WorkerRuntime(ModelFacts(torch.ones(4), 2, 1, 8, torch.float32, "cpu", keep_ready=True), set())
+    ids = list(range(20, 28))
+    rt.new_request("c1", capture_params("a", "reference")["kvcmas"], ids)
+    cap = rt.plan_of("c1").captures[0]  # what the connector copies out of vLLM's cache
+    cap.k.normal_(), cap.v.normal_(), cap.filled.fill_(True)
+    rt.captured("c1")
+    rt.finished("c1", [1])
+    assert rt.held_bytes() == 2 * (2 * 1 * 8 * 8 * 4)
+    a = rt.session({"session": "a", "method": "graphflow", "options": {}})
+    b = rt.session({"session": "b", "method": "graphflow", "options": {}})
+    assert torch.equal(a.rt.facts.prefill_alone(ids).k, cap.k)
+    assert torch.equal(a.rt.facts.prefill_alone(ids).v, cap.v)  # kept for the point's other agents
+    with pytest.raises(NeedKV):
+        b.rt.facts.prefill_alone(ids)
+    rt.new_request("rep", report_params("a")["kvcmas"], [1])
+    rt.drain()
+    assert rt.take_answers()[1]["rep"][0]["session"]["held_bytes"] == 2 * (2 * 1 * 8 * 8 * 4)  # before the drop
+    with pytest.raises(NeedKV):
+        a.rt.facts.prefill_alone(ids)
+    assert rt.held_bytes() == 0
+
+
 def test_request_metadata_round_trips_into_the_same_request():
     from kvcmas_bench.engine import Request, Segment
     from kvcmas_bench.serving.vllm.worker import agent_params, request_from

@@ -524,8 +524,11 @@ class HTTPBackend(ServedModel):
     def report(self, sess: ClientSession, end: bool = False) -> tuple[dict, dict[str, dict]]:
         """The worker's records of ``sess`` finished so far, by request key, and its session figures
         (with the scheduler side's: ``requests_held_for_plan``, the requests it held back until
-        their plan was in, since the previous report)."""
+        their plan was in, since the previous report). The worker drops the session's context-free
+        references with it (:func:`~.worker.report_params`)."""
         resp = self._request([1], 1, report_params(sess.id, end), salt=self._key())
+        with sess.lock:  # the worker dropped the session's references: the next point sends its own
+            sess.sent_refs.clear()
         params = resp.get("kv_transfer_params") or {}
         reports = params.get("kvcmas_reports")
         if reports is None:

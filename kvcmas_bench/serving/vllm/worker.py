@@ -26,6 +26,7 @@ plan code.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 import threading
@@ -121,7 +122,10 @@ ANSWERED_OPS = ("report", "calibrate")
 
 def report_params(session: str, end: bool = False) -> dict:
     """A one-token request answered with every record of ``session`` finished so far (in the
-    non-streamed response's ``kv_transfer_params``); ``end`` also drops the session."""
+    non-streamed response's ``kv_transfer_params``); ``end`` also drops the session. It also drops
+    the session's context-free references: a report closes a QPS point (or the warm-up, or the
+    calibration), and the next one computes its own, as the other engines do, so no point is
+    served references another point paid for."""
     return {PROTOCOL: {"v": VERSION, "op": "report", "session": session, "end": end}}
 
 
@@ -297,6 +301,9 @@ class WorkerRuntime:
         #: requests on their own heads, in the same order, and answer nothing
         self.publishes = self.rank == 0
         self.system_kv: dict[tuple[int, ...], SegmentKV] = {}
+        #: context-free references per session (captured before the session's first agent may
+        #: exist), each session's ``facts.ready``; dropped at the session's every report
+        self.references: dict[str, dict[tuple[int, ...], SegmentKV]] = {}
         self.sessions: dict[str, Session] = {}
         self.live: dict[str, Live] = {}
         self.lock = threading.Lock()
@@ -366,11 +373,17 @@ class WorkerRuntime:
         s = self.sessions.get(name)
         if s is None:
             method = method_class(meta["method"])(**(meta.get("options") or {}))
-            rt = Runtime(self.facts, system_kv=self.system_kv, eos_ids=self.eos_ids, layers=self.layers)
+            facts = copy.copy(self.facts)  # the model's facts, with this session's references
+            facts.ready = self._references(name)
+            rt = Runtime(facts, system_kv=self.system_kv, eos_ids=self.eos_ids, layers=self.layers)
             rt.ignore_eos = bool(meta.get("ignore_eos", True))
             s = Session(method, rt)
             self.sessions[name] = s
         return s
+
+    def _references(self, session: str) -> dict:
+        with self.lock:
+            return self.references.setdefault(str(session), {})
 
     # ---- what the connector calls ----------------------------------------------------------------
     def new_request(self, req_id: str, meta: dict, prompt: list[int]) -> None:
@@ -494,7 +507,7 @@ class WorkerRuntime:
                     if live.meta.get("what") == "system":
                         self.system_kv[live.ids] = kv
                     else:
-                        self.facts.ready[live.ids] = kv
+                        self.references.setdefault(str(live.meta.get("session")), {})[live.ids] = kv
             return
         if live.plan is None or live.prompt_done or live.trajectory is None:
             return
@@ -578,6 +591,10 @@ class WorkerRuntime:
             out = [{"session": extra}] + out
             if meta.get("end"):
                 self.sessions.pop(meta["session"], None)
+        with self.lock:  # in place: the session's facts hold this dict
+            self.references.get(str(meta["session"]), {}).clear()
+            if meta.get("end"):
+                self.references.pop(str(meta["session"]), None)
         self.held_peak = self.held_bytes()  # the next report's peak starts from what is held now
         if self.publishes:
             with self.lock:
@@ -586,7 +603,7 @@ class WorkerRuntime:
     # ---- memory --------------------------------------------------------------------------------
     def held_bytes(self) -> int:
         """K/V this worker holds for live trajectories, references and system prompts."""
-        kvs = list(self.system_kv.values()) + list(self.facts.ready.values())
+        kvs = list(self.system_kv.values()) + [kv for refs in list(self.references.values()) for kv in refs.values()]
         for s in self.sessions.values():
             for traj in s.trajectories.values():
                 kvs += [kv for hist in traj.store.values() for _, kv in hist]
@@ -608,9 +625,10 @@ class WorkerRuntime:
         if self.budget is None:
             return
         while self._note_held() > self.budget:
-            if self.facts.ready:
+            refs = next((r for r in self.references.values() if r), None)
+            if refs is not None:
                 with self.lock:
-                    self.facts.ready.pop(next(iter(self.facts.ready)))
+                    refs.pop(next(iter(refs)))
                 continue
             victims = [(s, t) for s in self.sessions.values() for t in list(s.trajectories)[:-1]]
             if not victims:
