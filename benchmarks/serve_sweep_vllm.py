@@ -352,8 +352,8 @@ def worker_memory(console, root: Path, lengths: list[int], methods: list[str]) -
     over every completed trajectory), and the live trajectories at each report (0: all freed)."""
     console.print(
         "vLLM worker memory over the sweep: peak K/V held, per trajectory at completion (max / mean), "
-        "live trajectories at each QPS point's report (0 = freed), K/V still held after a point (system prompts, "
-        "context-free references)"
+        "live trajectories at each QPS point's report (0 = freed), K/V still held after a point (system prompts; "
+        "context-free references are dropped at each report since 6fc7b14)"
     )
     out: dict = {}
     for s in lengths:
@@ -369,7 +369,7 @@ def worker_memory(console, root: Path, lengths: list[int], methods: list[str]) -
             n = sum(p["trajectories_completed"] for p in done)
             row = {
                 "held_peak_bytes": max(p["held_peak_bytes"] for p in got),
-                # what stays after a point: system prompts and context-free references, not per trajectory
+                # what stays after a point: system prompts (and, before 6fc7b14, context-free references)
                 "held_after_bytes": max(p["held_bytes"] for p in got),
                 "trajectory_bytes_at_completion_max": max(
                     (p["trajectory_bytes_at_completion_max"] for p in done), default=None

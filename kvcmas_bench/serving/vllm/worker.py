@@ -560,7 +560,10 @@ class WorkerRuntime:
     def _report(self, req_id: str, meta: dict) -> None:
         sess = self.sessions.get(meta["session"])
         out: list = []
-        held = self._note_held()
+        self._note_held()  # the peak, references included
+        with self.lock:  # in place: the session's facts hold this dict
+            self.references.get(str(meta["session"]), {}).clear()
+        held = self.held_bytes()  # what stays after the point: system prompts, other sessions' K/V
         if sess is not None:
             out, sess.reports = sess.reports, []
             done, sess.completed_bytes = sess.completed_bytes, []
@@ -591,9 +594,8 @@ class WorkerRuntime:
             out = [{"session": extra}] + out
             if meta.get("end"):
                 self.sessions.pop(meta["session"], None)
-        with self.lock:  # in place: the session's facts hold this dict
-            self.references.get(str(meta["session"]), {}).clear()
-            if meta.get("end"):
+        if meta.get("end"):
+            with self.lock:
                 self.references.pop(str(meta["session"]), None)
         self.held_peak = self.held_bytes()  # the next report's peak starts from what is held now
         if self.publishes:
