@@ -264,12 +264,12 @@ class KVCMASConnector(KVConnectorBase_V1):
         self._claims.pop(rid, None)
         error = self._errors.pop(rid, None)
         meta = params_of(request) or {}
-        if meta.get("op") == "calibrate":
-            return False, {"kvcmas_reports": self._answers.pop(rid, [])}
-        if meta.get("op") == "report":
-            held = self._held_count.pop(str(meta.get("session")), 0)
-            sched = {"requests_held_for_plan": held}
-            return False, {"kvcmas_reports": self._answers.pop(rid, []), "kvcmas_scheduler": sched}
+        if meta.get("op") in ANSWERED_OPS:
+            answer = {"kvcmas_reports": self._answers.pop(rid, [])}
+            if meta.get("op") == "report":
+                held = self._held_count.pop(str(meta.get("session")), 0)
+                answer["kvcmas_scheduler"] = {"requests_held_for_plan": held}
+            return False, answer
         self._finished.append((rid, list(request.output_token_ids)))
         return False, ({"kvcmas_error": error} if error else None)
 

@@ -374,16 +374,17 @@ class WorkerRuntime:
         if s is None:
             method = method_class(meta["method"])(**(meta.get("options") or {}))
             facts = copy.copy(self.facts)  # the model's facts, with this session's references
-            facts.ready = self._references(name)
+            with self.lock:
+                facts.ready = self._references(name)
             rt = Runtime(facts, system_kv=self.system_kv, eos_ids=self.eos_ids, layers=self.layers)
             rt.ignore_eos = bool(meta.get("ignore_eos", True))
             s = Session(method, rt)
             self.sessions[name] = s
         return s
 
-    def _references(self, session: str) -> dict:
-        with self.lock:
-            return self.references.setdefault(str(session), {})
+    def _references(self, session) -> dict:
+        """The session's references (its ``facts.ready``); the caller holds :attr:`lock`."""
+        return self.references.setdefault(str(session), {})
 
     # ---- what the connector calls ----------------------------------------------------------------
     def new_request(self, req_id: str, meta: dict, prompt: list[int]) -> None:
@@ -507,7 +508,7 @@ class WorkerRuntime:
                     if live.meta.get("what") == "system":
                         self.system_kv[live.ids] = kv
                     else:
-                        self.references.setdefault(str(live.meta.get("session")), {})[live.ids] = kv
+                        self._references(live.meta.get("session"))[live.ids] = kv
             return
         if live.plan is None or live.prompt_done or live.trajectory is None:
             return
