@@ -140,6 +140,11 @@ def test_rotating_b_rotates_the_rows_of_a_key_factor():
     rb = rotate_rows(b, -13, inv, 2)
     assert torch.allclose(torch.bmm(a, rb), want, atol=1e-5)
     assert torch.allclose(torch.bmm(rb, rb.transpose(1, 2)), torch.eye(5).expand(3, 5, 5), atol=1e-5)
+    # bfloat16 factors: float32 math, rounded once into bf16; a non-contiguous B is read as it is
+    half = rotate_rows(b.bfloat16(), -13, inv, 2)
+    assert half.dtype == torch.bfloat16
+    assert torch.equal(half, rotate_rows(b.bfloat16().float(), -13, inv, 2).bfloat16())
+    assert torch.allclose(rotate_rows(b.transpose(1, 2).contiguous().transpose(1, 2), -13, inv, 2), rb, atol=1e-6)
 
 
 def test_add_shift_into_sums_rotates_and_writes_in_place():

@@ -104,10 +104,20 @@ def rotate_rows(rows: torch.Tensor, delta: int, inv_freq: torch.Tensor, kv_heads
     ``delta`` positions, in their dtype (float32 math). For a low-rank key factor ``A B`` in coordinates
     ``p``, ``A rotate_rows(B, d)`` is the same factor in coordinates ``p + d``: the rotation is a
     block-diagonal orthogonal map on each row, so it moves onto the ``R`` rows of ``B`` (orthonormal
-    rows stay orthonormal) instead of the ``S`` rows of the segment."""
+    rows stay orthonormal) instead of the ``S`` rows of the segment. Rotated in the row layout itself
+    (each row viewed as ``[kv_heads, hd]``, no head-major permute): three passes, 2-2.5x faster than
+    rotating the permuted ``from_rows`` view (10 rank-32 bf16/fp32 factors, 30 layers, D = 192)."""
     if delta == 0:
         return rows
-    return to_rows(shift_keys(from_rows(rows, kv_heads), delta, inv_freq)).contiguous()
+    L, R, D = rows.shape
+    hd = D // kv_heads
+    h = hd // 2
+    c, s = (t.to(rows.device) for t in rope_shift_halves(inv_freq, delta))
+    x = rows.reshape(L, R, kv_heads, hd).float()
+    out = torch.mul(x, torch.cat([c, c]))
+    out[..., :h].addcmul_(x[..., h:], s, value=-1.0)
+    out[..., h:].addcmul_(x[..., :h], s)
+    return out.view(L, R, D).to(rows.dtype)
 
 
 def operand_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
