@@ -33,9 +33,10 @@ spread (max - min) / median; a spread above 20% is flagged "SPREAD > 20%: not re
 machine now". Ratios use the medians. The GEMM floor of the correction is analytic: the FLOPs of
 its four GEMMs counted from the shapes (2 * layers * tokens * D * sum of the anchors' ranks each:
 x B^T against the V bases for the gate and the K bases for the weights, (w A) B for the K and V
-deltas) over the machine's GEMM throughput on the same shapes, the best of --gemm-repeats timings
-(the best of N moves little under noise; the floor's own samples and spread are printed too). The
-output starts with the command line, date and git revision; run on an idle machine.
+deltas) over the machine's GEMM throughput on the same shapes and operand layouts, the best of at
+least --gemm-repeats timings per shape, taken between the correction's timed runs so that a slow
+phase of the machine moves the floor and the correction together (the floor's own samples and
+spread are printed too). The output starts with the command line, date and git revision; run on an idle machine.
 
     python benchmarks/delta_correction.py [--tokens 1024,2048,4096] [--repeats 5] [--gemm-repeats 10]
         [--model NAME] [--device auto] [--dtype float32]
@@ -44,7 +45,9 @@ output starts with the command line, date and git revision; run on an idle machi
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from common import Summary, fmt, prefix, print_header, shared_ids, spread_verdict, timed
@@ -124,8 +127,13 @@ class Floor:
     """The correction's GEMM floor: its FLOPs at the best measured throughput of each GEMM shape."""
 
     gemms: list[Gemm]
-    #: seconds per GEMM of each shape, ``repeats`` timings after one untimed
+    #: seconds per GEMM of each shape, in the order they were timed (:func:`timed_with_floor`)
     times: dict[tuple, Summary]
+
+    @property
+    def n(self) -> int:
+        """Timings per shape (the fewest of any shape)."""
+        return min(t.n for t in self.times.values())
 
     @property
     def flops(self) -> int:
@@ -141,31 +149,58 @@ class Floor:
 
     def per_run(self) -> Summary:
         """The floor from the i-th timing of every shape: its own samples, for its spread."""
-        n = min(t.n for t in self.times.values())
+        n = self.n
         return Summary.of(sum(self.times[g.shape].samples[i] for g in self.gemms) for i in range(n))
 
     def halves(self) -> tuple[float, float] | None:
         """The best-of floor from the first and the second half of the timings (how much it moves);
         None under 4 timings (two per half)."""
-        n = min(t.n for t in self.times.values())
+        n = self.n
         return None if n < 4 else (self.seconds(slice(0, n // 2)), self.seconds(slice(n // 2, n)))
 
 
-def gemm_floor(engine: Engine, gemms: list[Gemm], dtype, repeats: int) -> Floor:
-    """Time every distinct GEMM shape of the correction ``repeats`` times in ``dtype``, with the
-    operand layouts the correction uses (``B_all`` stacked ``[L, R, D]``, transposed for distances)."""
-    dev, times = engine.device, {}
+def gemm_calls(engine: Engine, gemms: list[Gemm], dtype) -> dict[tuple, Callable[[], Any]]:
+    """One call per distinct GEMM shape of the correction, its operands made once in ``dtype`` in
+    the layouts the correction uses: ``x [L, k, D]`` times ``B_all^T`` contiguous (``FactorStack.b_t``)
+    for distances, ``(w A) [L, k, R]`` times ``B_all [L, R, D]`` for the apply."""
+    dev, calls = engine.device, {}
     for g in gemms:
-        if g.shape in times:
+        if g.shape in calls:
             continue
         b = torch.randn(g.L, g.R, g.D, dtype=dtype, device=dev)
         if g.kind == "distance":
-            x, y = torch.randn(g.L, g.k, g.D, dtype=dtype, device=dev), b.transpose(1, 2)
+            x, y = torch.randn(g.L, g.k, g.D, dtype=dtype, device=dev), b.transpose(1, 2).contiguous()
         else:
             x, y = torch.randn(g.L, g.k, g.R, dtype=dtype, device=dev), b
-        times[g.shape] = timed(lambda x=x, y=y: torch.bmm(x, y), repeats, warmup=1, clock=engine.now)
-        del x, y, b
-    return Floor(gemms, times)
+        calls[g.shape] = lambda x=x, y=y: torch.bmm(x, y)
+    return calls
+
+
+def timed_with_floor(
+    fn: Callable[[], Any], gemms: list[Gemm], calls: dict, repeats: int, gemm_repeats: int, clock
+) -> tuple[Summary, Floor]:
+    """``fn`` timed ``repeats`` times after one untimed call, and the floor's GEMMs timed between
+    those runs: after each run of ``fn``, every shape ``ceil(gemm_repeats / repeats)`` times (so at
+    least ``gemm_repeats`` timings each). Both are sampled over the same seconds of the machine, so
+    a slow phase of it (seen here: a bf16 GEMM 5.6x slower for seconds at a time, then fast again)
+    moves the floor and the measured figure together, not the floor alone, as it did when the
+    floor was timed after the correction (bf16 floors of 0.036, 0.069, 0.307 and 0.056 s in four
+    runs whose corrections took 0.20-0.24 s)."""
+    per = -(-gemm_repeats // repeats)
+    fn()
+    for call in calls.values():
+        call()
+    runs, times = [], {shape: [] for shape in calls}
+    for _ in range(repeats):
+        t0 = clock()
+        last = fn()
+        runs.append(clock() - t0)
+        for shape, call in calls.items():
+            for _ in range(per):
+                t0 = clock()
+                call()
+                times[shape].append(clock() - t0)
+    return Summary(tuple(runs), last), Floor(gemms, {k: Summary(tuple(v), None) for k, v in times.items()})
 
 
 #: aten operators by what they spend the correction's time on (self time, torch profiler)
@@ -262,9 +297,10 @@ def correction(engine, args, last, pre_b, d: Summary) -> dict:
             ctx = SegmentContext(engine, cache_b, req, req.segments[1], len(pre_b), kv_a)
             assert m.materialize(ctx).status == "corrected"
 
-        c = timed(one, args.repeats, warmup=1, clock=engine.now)
         gemms = correction_gemms(pool, "B", n, L, D)
-        floor = gemm_floor(engine, gemms, tdt, args.gemm_repeats)
+        c, floor = timed_with_floor(
+            one, gemms, gemm_calls(engine, gemms, tdt), args.repeats, args.gemm_repeats, engine.now
+        )
         f = floor.seconds()
         name = dtype or str(engine.dtype).replace("torch.", "")
         if dtype is None:
@@ -284,8 +320,8 @@ def correction(engine, args, last, pre_b, d: Summary) -> dict:
             for shape in floor.times
         )
         print(
-            f"    GEMM floor {f:.3f} s = {floor.flops / 1e9:.1f} GFLOP at the best of {args.gemm_repeats} timings "
-            f"per shape ({rates})"
+            f"    GEMM floor {f:.3f} s = {floor.flops / 1e9:.1f} GFLOP at the best of {floor.n} timings per shape, "
+            f"taken between the correction's runs ({rates})"
         )
         halves, moved = floor.halves(), ""
         if halves is not None:
@@ -433,7 +469,10 @@ def main() -> None:
     ap.add_argument("--tokens", default="1024,2048,4096", help="segment lengths; sections 2-4 use the longest")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of every figure, after one untimed run")
     ap.add_argument(
-        "--gemm-repeats", type=int, default=10, help="timings of each GEMM shape; the floor uses the best of them"
+        "--gemm-repeats",
+        type=int,
+        default=10,
+        help="timings of each GEMM shape at least, taken between the correction's runs; the floor uses the best",
     )
     args = ap.parse_args()
     if args.repeats < 1 or args.gemm_repeats < 1:

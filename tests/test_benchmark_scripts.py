@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from delta_correction import time_by_kind  # noqa: E402
+from delta_correction import Gemm, gemm_calls, time_by_kind, timed_with_floor  # noqa: E402
 
 CPU = SimpleNamespace(device=torch.device("cpu"), now=time.perf_counter)
 
@@ -38,3 +38,51 @@ def test_time_by_kind_counts_an_unlisted_operator_as_other():
     a = torch.randn(512, 512)
     _, kinds = time_by_kind(lambda: torch.linalg.qr(a), CPU)
     assert kinds["other operators"] > 0.0
+
+
+def test_the_floor_is_timed_between_the_corrections_runs():
+    """A fake clock that each call advances by a scripted amount. 3 runs with at least 5 GEMM
+    timings per shape: after one untimed call of each, every run is followed by ceil(5/3) = 2 timings
+    of each shape, so 6 per shape, in the order run, d, d, a, a, run, ... The machine is "slow" during
+    the second run (every call 10x): the floor is the best timing of each shape (1 s + 2 s, made by
+    hand), while the floor per timing run shows the slow phase."""
+    now, log, slow = [0.0], [], [False]
+
+    def tick(name, cost):
+        def call():
+            log.append(name)
+            now[0] += cost * (10 if slow[0] else 1)
+            return name
+
+        return call
+
+    runs = iter([False, False, True, False])  # the untimed run, then runs 1-3: run 2 is slow
+
+    def fn():
+        slow[0] = next(runs)
+        return tick("run", 0.5)()
+
+    d = Gemm("dist", "distance", 1, 4, 2, 3)
+    a = Gemm("apply", "apply", 1, 4, 2, 3)
+    calls = {d.shape: tick("d", 1.0), a.shape: tick("a", 2.0)}
+    c, floor = timed_with_floor(fn, [d, a], calls, repeats=3, gemm_repeats=5, clock=lambda: now[0])
+    assert log[:3] == ["run", "d", "a"]
+    assert log[3:] == ["run", "d", "d", "a", "a"] * 3
+    assert c.samples == (0.5, 5.0, 0.5)
+    assert floor.n == 6
+    assert floor.times[d.shape].samples == (1.0, 1.0, 10.0, 10.0, 1.0, 1.0)
+    assert floor.seconds() == 3.0
+    assert floor.halves() == (3.0, 3.0)
+    assert floor.per_run().samples == (3.0, 3.0, 30.0, 30.0, 3.0, 3.0)
+
+
+def test_gemm_calls_use_the_corrections_operand_layouts():
+    """One call per distinct shape; a distance GEMM multiplies ``[L, k, D]`` by a contiguous ``[L, D, R]``
+    (``B_all^T`` as the correction stores it), an apply GEMM ``[L, k, R]`` by ``[L, R, D]``."""
+    g = [Gemm("x", "distance", 2, 5, 4, 3), Gemm("y", "distance", 2, 5, 4, 3), Gemm("z", "apply", 2, 5, 4, 3)]
+    calls = gemm_calls(CPU, g, torch.float32)
+    assert len(calls) == 2
+    assert calls[g[0].shape]().shape == (2, 5, 3)
+    assert calls[g[2].shape]().shape == (2, 5, 4)
+    x, y = calls[g[0].shape].__defaults__
+    assert y.is_contiguous() and y.shape == (2, 4, 3)
