@@ -33,8 +33,8 @@ spread (max - min) / median; a spread above 20% is flagged "SPREAD > 20%: not re
 machine now". Ratios use the medians. The GEMM floor of the correction is analytic: the FLOPs of
 its four GEMMs counted from the shapes (2 * layers * tokens * D * sum of the anchors' ranks each:
 x B^T against the V bases for the gate and the K bases for the weights, (w A) B for the K and V
-deltas) over the machine's GEMM throughput on the same shapes and operand layouts, the best of at
-least --gemm-repeats timings per shape, taken between the correction's timed runs so that a slow
+deltas) over the machine's GEMM throughput on the same shapes and operand layouts (block by block
+of 256 rows, as the correction runs them), the best of at least --gemm-repeats timings per shape, taken between the correction's timed runs so that a slow
 phase of the machine moves the floor and the correction together (the floor's own samples and
 spread are printed too). The output starts with the command line, date and git revision; run on an idle machine.
 
@@ -86,7 +86,8 @@ def scaled(f: Factor, s: float) -> Factor:
 
 @dataclass(frozen=True)
 class Gemm:
-    """One GEMM of the correction: ``[L, k, D] x [L, D, R]`` (distance) or ``[L, k, R] x [L, R, D]`` (apply)."""
+    """One GEMM shape of the correction, ``[L, k, D] x [L, D, R]`` (distance) or ``[L, k, R] x [L, R, D]``
+    (apply), run ``count`` times (once per block of ``k`` rows: the correction works block by block)."""
 
     name: str
     kind: str
@@ -94,69 +95,84 @@ class Gemm:
     k: int
     D: int
     R: int
+    count: int = 1
+
+    @property
+    def call_flops(self) -> int:
+        return 2 * self.L * self.k * self.D * self.R
 
     @property
     def flops(self) -> int:
-        return 2 * self.L * self.k * self.D * self.R
+        return self.count * self.call_flops
 
     @property
     def shape(self) -> tuple:
         return (self.kind, self.L, self.k, self.D, self.R)
 
 
-def correction_gemms(pool: AnchorPool, consumer: str, k: int, L: int, D: int) -> list[Gemm]:
-    """The GEMMs of one accepted correction of a ``k``-token prefix (methods/delta.py, ops/lowrank.py):
-    the gate's ``x B_all^T`` against the V bases (its result is reused for the V weights), the same
-    against the K bases for the K weights, and ``(w A) B_all`` for the K and V deltas; ``R`` is the
-    sum of the ranks of the compatible anchors' factors, ``D = kv_heads * head_dim``."""
-    anchors = pool.compatible(consumer, k)
+def correction_gemms(pool: AnchorPool, consumer: str, blocks: list[int], L: int, D: int) -> list[Gemm]:
+    """The GEMMs of one accepted correction (methods/delta.py, ops/lowrank.py), per block of rows
+    (``blocks``: the row count of each block, ``DeltaMethod.blocks``): the gate's ``x B_all^T``
+    against the V bases (its result is reused for the V weights), the same against the K bases for
+    the K weights, and ``(w A) B_all`` for the K and V deltas; ``R`` is the sum of the ranks of the
+    compatible anchors' factors, ``D = kv_heads * head_dim``."""
+    anchors = pool.compatible(consumer, sum(blocks))
 
     def R(part: str) -> int:
         return sum(a.factor(part, consumer).rank for a in anchors)
 
+    sizes = sorted(set(blocks), reverse=True)
     return [
-        Gemm("x B^T, V bases (gate)", "distance", L, k, D, R("base_v")),
-        Gemm("x B^T, K bases (weights)", "distance", L, k, D, R("base_k")),
-        Gemm("(w A) B, K deltas", "apply", L, k, D, R("delta_k")),
-        Gemm("(w A) B, V deltas", "apply", L, k, D, R("delta_v")),
+        Gemm(name, kind, L, t, D, R(part), blocks.count(t))
+        for name, kind, part in (
+            ("x B^T, V bases (gate)", "distance", "base_v"),
+            ("x B^T, K bases (weights)", "distance", "base_k"),
+            ("(w A) B, K deltas", "apply", "delta_k"),
+            ("(w A) B, V deltas", "apply", "delta_v"),
+        )
+        for t in sizes
     ]
 
 
 @dataclass
 class Floor:
-    """The correction's GEMM floor: its FLOPs at the best measured throughput of each GEMM shape."""
+    """The correction's GEMM floor: each GEMM shape's best measured time, times its count."""
 
     gemms: list[Gemm]
     #: seconds per GEMM of each shape, in the order they were timed (:func:`timed_with_floor`)
     times: dict[tuple, Summary]
 
     @property
-    def n(self) -> int:
-        """Timings per shape (the fewest of any shape)."""
-        return min(t.n for t in self.times.values())
-
-    @property
     def flops(self) -> int:
         return sum(g.flops for g in self.gemms)
 
+    def best(self, shape: tuple, samples: slice = slice(None)) -> float:
+        """The fastest of a shape's timings in ``samples``."""
+        return min(self.times[shape].samples[samples])
+
     def throughput(self, shape: tuple, samples: slice = slice(None)) -> float:
-        """FLOP/s of a shape: the best (fastest) of its timings in ``samples``."""
+        """FLOP/s of a shape at its best timing in ``samples``."""
         g = next(g for g in self.gemms if g.shape == shape)
-        return g.flops / min(self.times[shape].samples[samples])
+        return g.call_flops / self.best(shape, samples)
 
     def seconds(self, samples: slice = slice(None)) -> float:
-        return sum(g.flops / self.throughput(g.shape, samples) for g in self.gemms)
+        return sum(g.count * self.best(g.shape, samples) for g in self.gemms)
 
     def per_run(self) -> Summary:
         """The floor from the i-th timing of every shape: its own samples, for its spread."""
         n = self.n
-        return Summary.of(sum(self.times[g.shape].samples[i] for g in self.gemms) for i in range(n))
+        return Summary.of(sum(g.count * self.times[g.shape].samples[i] for g in self.gemms) for i in range(n))
 
     def halves(self) -> tuple[float, float] | None:
         """The best-of floor from the first and the second half of the timings (how much it moves);
         None under 4 timings (two per half)."""
         n = self.n
         return None if n < 4 else (self.seconds(slice(0, n // 2)), self.seconds(slice(n // 2, n)))
+
+    @property
+    def n(self) -> int:
+        """Timings per shape (the fewest of any shape)."""
+        return min(t.n for t in self.times.values())
 
 
 def gemm_calls(engine: Engine, gemms: list[Gemm], dtype) -> dict[tuple, Callable[[], Any]]:
@@ -297,26 +313,27 @@ def correction(engine, args, last, pre_b, d: Summary) -> dict:
             ctx = SegmentContext(engine, cache_b, req, req.segments[1], len(pre_b), kv_a)
             assert m.materialize(ctx).status == "corrected"
 
-        gemms = correction_gemms(pool, "B", n, L, D)
+        gemms = correction_gemms(pool, "B", [t for _, t in m.blocks(n)], L, D)
         c, floor = timed_with_floor(
             one, gemms, gemm_calls(engine, gemms, tdt), args.repeats, args.gemm_repeats, engine.now
         )
         f = floor.seconds()
         name = dtype or str(engine.dtype).replace("torch.", "")
         if dtype is None:
-            terms = " + ".join(f"{g.name} R={g.R}" for g in gemms)
+            terms = " + ".join(f"{g.name} R={g.R} ({g.count} x k={g.k})" for g in gemms)
             print(
-                f"  GEMMs of one correction (2 L k D R FLOPs each, L={L}, k={n}, D={D}): {terms} = "
-                f"{floor.flops / 1e9:.1f} GFLOP"
+                f"  GEMMs of one correction, block by block (2 L k D R FLOPs each, L={L}, D={D}, k rows per "
+                f"block): {terms} = {floor.flops / 1e9:.1f} GFLOP"
             )
         print(f"  anchors {name:>8}: correction {fmt(c)}")
         wall, kinds = time_by_kind(one, engine)
         parts = ", ".join(f"{k} {v:.3f} s ({v / wall:.0%})" for k, v in kinds.items())
         rest = wall - sum(kinds.values())
         print(f"    one more run under the profiler, {wall:.3f} s by operators' self time: {parts}, rest {rest:.3f} s")
-        by_r = len({g.R for g in gemms}) > 1
+        by_r, by_k = len({g.R for g in gemms}) > 1, len({g.k for g in gemms}) > 1
         rates = ", ".join(
-            f"{shape[0]}{f' R={shape[4]}' if by_r else ''} {floor.throughput(shape) / 1e9:.1f} GFLOP/s"
+            f"{shape[0]}{f' k={shape[2]}' if by_k else ''}{f' R={shape[4]}' if by_r else ''} "
+            f"{floor.throughput(shape) / 1e9:.1f} GFLOP/s"
             for shape in floor.times
         )
         print(

@@ -7,11 +7,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from delta_correction import Gemm, gemm_calls, time_by_kind, timed_with_floor  # noqa: E402
+from common import Summary  # noqa: E402
+from delta_correction import Floor, Gemm, correction_gemms, gemm_calls, time_by_kind, timed_with_floor  # noqa: E402
 
 CPU = SimpleNamespace(device=torch.device("cpu"), now=time.perf_counter)
 
@@ -86,3 +88,31 @@ def test_gemm_calls_use_the_corrections_operand_layouts():
     assert calls[g[2].shape]().shape == (2, 5, 4)
     x, y = calls[g[0].shape].__defaults__
     assert y.is_contiguous() and y.shape == (2, 4, 3)
+
+
+def test_the_floor_counts_each_block_shape_as_often_as_the_correction_runs_it():
+    """Blocks of 256, 256 and 100 rows, two anchors of ranks 3 and 5 (R = 8): per part one GEMM shape
+    of 256 rows run twice and one of 100 rows run once. FLOPs by hand: 2 * L * k * D * R with L = 2,
+    D = 4: (2 * 2 * 256 * 4 * 8) * 2 + 2 * 2 * 100 * 4 * 8 = 65536 + 12800 = 78336 per part, four
+    parts. With 256-row GEMMs best at 1 s and 100-row ones at 0.5 s (distance and apply alike), the
+    floor is 4 * (2 * 1 + 0.5) = 10 s."""
+    ranks = {"x": 3, "y": 5}
+    anchors = [SimpleNamespace(factor=lambda part, consumer, r=r: SimpleNamespace(rank=r)) for r in ranks.values()]
+    pool = SimpleNamespace(compatible=lambda consumer, k: anchors if k == 612 else [])
+    gemms = correction_gemms(pool, "B", [256, 256, 100], 2, 4)
+    assert [(g.kind, g.k, g.count, g.R) for g in gemms] == [
+        ("distance", 256, 2, 8),
+        ("distance", 100, 1, 8),
+        ("distance", 256, 2, 8),
+        ("distance", 100, 1, 8),
+        ("apply", 256, 2, 8),
+        ("apply", 100, 1, 8),
+        ("apply", 256, 2, 8),
+        ("apply", 100, 1, 8),
+    ]
+    assert sum(g.flops for g in gemms) == 4 * 78336
+    times = {g.shape: Summary((3.0, 1.0, 2.0) if g.k == 256 else (0.5, 0.7, 0.9)) for g in gemms}
+    floor = Floor(gemms, times)
+    assert floor.seconds() == 10.0
+    assert floor.per_run().samples == pytest.approx((26.0, 10.8, 19.6))
+    assert floor.throughput(("apply", 2, 100, 4, 8)) == 12800 / 0.5
