@@ -34,9 +34,10 @@ machine now". Ratios use the medians. The GEMM floor of the correction is analyt
 its four GEMMs counted from the shapes (2 * layers * tokens * D * sum of the anchors' ranks each:
 x B^T against the V bases for the gate and the K bases for the weights, (w A) B for the K and V
 deltas) over the machine's GEMM throughput on the same shapes and operand layouts (block by block
-of 256 rows, as the correction runs them), the best of at least --gemm-repeats timings per shape, taken between the correction's timed runs so that a slow
-phase of the machine moves the floor and the correction together (the floor's own samples and
-spread are printed too). The output starts with the command line, date and git revision; run on an idle machine.
+of 256 rows, as the correction runs them): the best of at least --gemm-repeats timings per shape,
+taken between the correction's timed runs so that a slow phase of the machine moves the floor and
+the correction together (the floor's own samples and spread are printed too). The output starts
+with the command line, date and git revision; run on an idle machine.
 
     python benchmarks/delta_correction.py [--tokens 1024,2048,4096] [--repeats 5] [--gemm-repeats 10]
         [--model NAME] [--device auto] [--dtype float32]
