@@ -202,7 +202,7 @@ def timed_with_floor(
     a slow phase of it (seen here: a bf16 GEMM 5.6x slower for seconds at a time, then fast again)
     moves the floor and the measured figure together, not the floor alone, as it did when the
     floor was timed after the correction (bf16 floors of 0.036, 0.069, 0.307 and 0.056 s in four
-    runs whose corrections took 0.20-0.24 s)."""
+    runs whose corrections took 0.18-0.24 s)."""
     per = -(-gemm_repeats // repeats)
     fn()
     for call in calls.values():

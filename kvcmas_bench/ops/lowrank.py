@@ -82,6 +82,19 @@ def rope_shift_halves(inv_freq: torch.Tensor, delta: int) -> tuple[torch.Tensor,
     return ang.cos(), ang.sin()
 
 
+def rotate_into(out: torch.Tensor, x: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``out <- x`` rotated by ``delta`` positions along the last dim (``hd``; HF's rotate_half
+    convention), in float32, in three passes: ``x * [c, c]`` at full width, then each half's
+    ``-/+ s * other half`` added in place. ``out``: float32, ``x``'s shape, any strides, not
+    overlapping ``x``; ``x`` any float dtype (promoted, exactly, to float32)."""
+    h = x.shape[-1] // 2
+    c, s = (t.to(x.device) for t in rope_shift_halves(inv_freq, delta))
+    torch.mul(x, torch.cat([c, c]), out=out)
+    out[..., :h].addcmul_(x[..., h:], s, value=-1.0)
+    out[..., h:].addcmul_(x[..., :h], s)
+    return out
+
+
 def shift_to_rows(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """``to_rows(shift_keys(keys, delta))``: the rotated keys in the row layout ``[layers, S,
     kv_heads * hd]`` (float32), in three passes: ``keys * [c, c]`` gathered from the head-major
@@ -89,14 +102,8 @@ def shift_to_rows(keys: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> tor
     (4x faster per 256-token block on an AMX Xeon than copying into the row layout first and
     rotating there with four half-width ops, whose first one ran into a fresh buffer)."""
     L, H, S, hd = keys.shape
-    h = hd // 2
-    c, s = (t.to(keys.device) for t in rope_shift_halves(inv_freq, delta))
-    x = keys.permute(0, 2, 1, 3)
     out = torch.empty(L, S, H, hd, dtype=torch.float32, device=keys.device)
-    torch.mul(x, torch.cat([c, c]), out=out)
-    out[..., :h].addcmul_(x[..., h:], s, value=-1.0)
-    out[..., h:].addcmul_(x[..., :h], s)
-    return out.view(L, S, H * hd)
+    return rotate_into(out, keys.permute(0, 2, 1, 3), delta, inv_freq).view(L, S, H * hd)
 
 
 def rotate_rows(rows: torch.Tensor, delta: int, inv_freq: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -110,14 +117,9 @@ def rotate_rows(rows: torch.Tensor, delta: int, inv_freq: torch.Tensor, kv_heads
     if delta == 0:
         return rows
     L, R, D = rows.shape
-    hd = D // kv_heads
-    h = hd // 2
-    c, s = (t.to(rows.device) for t in rope_shift_halves(inv_freq, delta))
-    x = rows.reshape(L, R, kv_heads, hd).float()
-    out = torch.mul(x, torch.cat([c, c]))
-    out[..., :h].addcmul_(x[..., h:], s, value=-1.0)
-    out[..., h:].addcmul_(x[..., :h], s)
-    return out.view(L, R, D).to(rows.dtype)
+    x = rows.reshape(L, R, kv_heads, D // kv_heads).float()
+    out = torch.empty(x.shape, dtype=torch.float32, device=rows.device)
+    return rotate_into(out, x, delta, inv_freq).view(L, R, D).to(rows.dtype)
 
 
 def operand_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,13 +148,9 @@ def add_shift_into(
     else:
         s = torch.empty(L, H, t, hd, dtype=torch.float32, device=x.device)
         torch.add(x, from_rows(corr, H), out=s)
-    h = hd // 2
-    c, sn = (v.to(x.device) for v in rope_shift_halves(inv_freq, delta))
     direct = dst.dtype == torch.float32
     out = dst if direct else torch.empty(L, H, t, hd, dtype=torch.float32, device=x.device)
-    torch.mul(s, torch.cat([c, c]), out=out)
-    out[..., :h].addcmul_(s[..., h:], sn, value=-1.0)
-    out[..., h:].addcmul_(s[..., :h], sn)
+    rotate_into(out, s, delta, inv_freq)
     return dst if direct else dst.copy_(out)
 
 
