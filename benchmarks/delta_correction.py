@@ -207,17 +207,14 @@ def timed_with_floor(
     fn()
     for call in calls.values():
         call()
-    runs, times = [], {shape: [] for shape in calls}
+    runs, last, times = [], None, {shape: [] for shape in calls}
     for _ in range(repeats):
-        t0 = clock()
-        last = fn()
-        runs.append(clock() - t0)
+        run = timed(fn, 1, clock=clock)
+        runs += run.samples
+        last = run.last
         for shape, call in calls.items():
-            for _ in range(per):
-                t0 = clock()
-                call()
-                times[shape].append(clock() - t0)
-    return Summary(tuple(runs), last), Floor(gemms, {k: Summary(tuple(v), None) for k, v in times.items()})
+            times[shape] += timed(call, per, clock=clock).samples
+    return Summary(tuple(runs), last), Floor(gemms, {k: Summary(tuple(v)) for k, v in times.items()})
 
 
 #: aten operators by what they spend the correction's time on (self time, torch profiler)
