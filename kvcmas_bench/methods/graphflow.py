@@ -59,7 +59,7 @@ class GraphFlow(Method):
                 acc = [
                     _grow(acc[0] if acc else None, dk, S),
                     _grow(acc[1] if acc else None, dv, S),
-                    _grow(acc[2] if acc else None, torch.zeros(S), S),
+                    _grow(acc[2] if acc else None, torch.zeros(S, device=dk.device), S),
                 ]
                 sums[(ob.slot, ob.consumer)] = acc
             acc[0][:, :, :S] += dk
