@@ -89,6 +89,9 @@ class OnlineDeltaCorrection(Method):
     #: allocator from block to block, where whole-segment ones (hundreds of MB at 4K tokens) cost
     #: fresh pages every request; results do not depend on it beyond float rounding
     block_tokens: ClassVar[int] = 256
+    #: the same on a GPU, where each block costs kernel launches rather than cache misses: 16
+    #: blocks of 256 rows made a 4K correction launch-bound on an H200 (24x its GEMM floor)
+    block_tokens_gpu: ClassVar[int] = 2048
     learns_online = True
     none_words = {"rank": "full"}
 
@@ -236,7 +239,9 @@ class OnlineDeltaCorrection(Method):
         k = min(S, lengths[1])
         cands = pool.compatible(consumer, k)
         bases = FactorStack.of(cands, consumer, "base_v")
-        dist_v = torch.cat([self.token_sqdist(bases, _block(ref_v, s, n), s) for s, n in self.blocks(k)], dim=1)
+        dist_v = torch.cat(
+            [self.token_sqdist(bases, _block(ref_v, s, n), s) for s, n in self.blocks(k, ref_v.device)], dim=1
+        )
         if shards is not None:
             dist_v = shards.reduce_heads(dist_v)
         sq = dist_v.sum(1)
@@ -259,9 +264,10 @@ class OnlineDeltaCorrection(Method):
             cands[i].count += 1
         return n_top
 
-    def blocks(self, k: int):
-        """``(start, n)`` of the consecutive blocks of at most :attr:`block_tokens` rows covering ``k``."""
-        size = max(1, self.block_tokens)
+    def blocks(self, k: int, device: torch.device | None = None):
+        """``(start, n)`` of the consecutive blocks of at most :attr:`block_tokens` rows covering ``k``
+        (:attr:`block_tokens_gpu` on a CUDA ``device``)."""
+        size = max(1, self.block_tokens_gpu if device is not None and device.type == "cuda" else self.block_tokens)
         return [(s, min(size, k - s)) for s in range(0, k, size)]
 
     @staticmethod
@@ -336,8 +342,11 @@ class OnlineDeltaCorrection(Method):
         }
         frame = ref.start if all(f.lowrank for f in stacks["k"]) else 0  # the keys' positions
         stacks["k"] = tuple(f.rotated(frame, inv, heads) for f in stacks["k"])
-        kept, dropped = {"k": 0.0, "v": 0.0}, 0.0
-        for start, n in self.blocks(k):
+        # per-block figures stay on the device and are read once at the end (one sync, not three per block)
+        dev = ref.v.device
+        kept = {p: torch.zeros((), device=dev) for p in "kv"}
+        dropped, finite = torch.zeros((), device=dev), torch.ones((), dtype=torch.bool, device=dev)
+        for start, n in self.blocks(k, dev):
             for p in "kv":
                 x = (ref.k if p == "k" else ref.v)[:, :, start : start + n]
                 if p == "k" and frame != ref.start:
@@ -351,12 +360,16 @@ class OnlineDeltaCorrection(Method):
                     corr = self.weighted_delta(deltas, w, start)
                 else:
                     corr = sparse_apply(w, keep, deltas.a_rows(start, n), deltas.b_list())
-                if not bool(torch.isfinite(corr.sum())):  # a NaN/inf anywhere reaches the sum
-                    return None
-                kept[p] += float(keep.float().sum())
-                dropped = max(dropped, float(mass.max()) if mass.numel() else 0.0)
+                finite &= torch.isfinite(corr.sum())  # a NaN/inf anywhere reaches the sum
+                kept[p] += keep.float().sum()
+                if mass.numel():
+                    dropped = torch.maximum(dropped, mass.max().float())
                 shift = ctx.start - frame if p == "k" else 0
                 add_shift_into(out[p][:, :, start : start + n], x, shift, inv, corr)
+        ok, kept_k, kept_v, dropped = torch.stack([finite.float(), kept["k"], kept["v"], dropped]).tolist()
+        if not ok:  # the dense fallback overwrites the rows written above
+            return None
+        kept = {"k": kept_k, "v": kept_v}
         if k < S:  # rows beyond the covered prefix: the aligned reference
             add_shift_into(out["k"][:, :, k:], ref.k[:, :, k:], ctx.start - ref.start, inv)
             add_shift_into(out["v"][:, :, k:], ref.v[:, :, k:], 0, inv)
