@@ -289,4 +289,6 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu") ->
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     model.to(dev).eval()
+    if isinstance(path, Path) and (path / "RANDOM_WEIGHTS.json").exists():  # benchmarks/random_model.py
+        name, source = f"{name} (random weights)", f"{source or path} (random weights: timing and memory only)"
     return LoadedModel(model=model, tokenizer=tok, name=name, source=str(source or path))

@@ -116,3 +116,52 @@ def test_the_floor_counts_each_block_shape_as_often_as_the_correction_runs_it():
     assert floor.seconds() == 10.0
     assert floor.per_run().samples == pytest.approx((26.0, 10.8, 19.6))
     assert floor.throughput(("apply", 2, 100, 4, 8)) == 12800 / 0.5
+
+
+def test_random_model_keeps_the_architecture_and_says_its_weights_are_random(tiny_model_dir, tmp_path, monkeypatch):
+    import json
+
+    import random_model
+    from transformers import AutoConfig
+
+    from kvcmas_bench.modeling import load_model
+
+    out = tmp_path / "rand"
+    argv = [
+        "random_model.py",
+        str(out),
+        "--config",
+        tiny_model_dir,
+        "--tokenizer",
+        tiny_model_dir,
+        "--dtype",
+        "float32",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    random_model.main()
+    want, got = AutoConfig.from_pretrained(tiny_model_dir), AutoConfig.from_pretrained(out)
+    for key in ("num_hidden_layers", "hidden_size", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        assert getattr(got, key) == getattr(want, key), key
+    assert json.loads((out / "RANDOM_WEIGHTS.json").read_text())["random_weights"] is True
+    lm = load_model(str(out))
+    assert lm.name.endswith("(random weights)") and "timing and memory only" in lm.source
+    real = load_model(tiny_model_dir)
+    w_rand, w_real = lm.model.model.layers[0].mlp.up_proj.weight, real.model.model.layers[0].mlp.up_proj.weight
+    assert w_rand.shape == w_real.shape and not torch.equal(w_rand, w_real)
+    assert "random" not in real.name
+
+
+def test_random_model_llama_8b_preset_is_the_published_shape():
+    from random_model import LLAMA_31_8B
+    from transformers import AutoConfig
+
+    from kvcmas_bench.modeling import check_supported
+
+    cfg = AutoConfig.for_model(**LLAMA_31_8B)
+    check_supported(cfg)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        cfg.vocab_size = 128256
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    assert abs(n - 8.03e9) < 0.01e9  # Llama-3.1-8B's published parameter count, by hand
