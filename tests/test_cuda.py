@@ -85,6 +85,8 @@ def test_device_peak_counter_is_read_and_resets(pair):
 def _options(name: str) -> dict:
     if name in ("kvcmas", "kvcmas-nonchained"):
         return {"anchors": 3, "rank": 4, "tau": 1.0}
+    if name == "kvcomm":
+        return {"anchors": 3, "tau": 1.0}
     return {}
 
 
@@ -107,6 +109,10 @@ def test_every_method_on_cuda_follows_its_cpu_run(pair, name):
         for seed in (61, 62, 63):
             out += chain(eng, m, rand_ids(12, seed), fidelity=True)
         runs[eng.device.type] = out
+    reused = {"graphflow": "corrected", "kvcmas": "corrected", "kvcmas-nonchained": "corrected", "kvcomm": "corrected"}
+    reused |= {"cacheblend": "recomputed", "relaycaching": "recomputed", "droidspeak": "reused", "fullshared": "reused"}
+    if name in reused:  # the method's own path ran, not only dense fallbacks
+        assert reused[name] in [r.segments[1].status for r in runs["cuda"]]
     for c, g in zip(runs["cpu"], runs["cuda"]):
         assert g.first_token == c.first_token
         assert [s.status for s in g.segments] == [s.status for s in c.segments]
