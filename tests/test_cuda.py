@@ -19,6 +19,7 @@ from kvcmas_bench.methods import METHODS, get_method
 from kvcmas_bench.ops.kvmath import relative_error
 
 from .conftest import LLAMA3_ROPE, rand_ids, run_cli, tiny_model
+from .test_engine import PIECES, segmentwise_logits
 from .test_paper_semantics import NODES, chain, chain_request
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -35,16 +36,9 @@ def pair():
 
 def test_segmentwise_prefill_on_cuda_matches_the_whole_forward(pair):
     _, eng = pair
-    pieces = [rand_ids(n, s) for n, s in [(7, 1), (13, 2), (5, 3), (9, 4)]]
-    ids = [t for p in pieces for t in p]
+    ids = [t for p in PIECES for t in p]
     ref = eng.model(torch.tensor([ids], device=CUDA)).logits[0]
-    cache = eng.new_cache(len(ids))
-    pos, outs = 0, []
-    for p in pieces:
-        _, h = eng.prefill(cache, p, pos)
-        outs.append(eng.logits(h)[0])
-        pos += len(p)
-    got = torch.cat(outs)
+    got, cache = segmentwise_logits(eng, PIECES)
     assert got.device.type == "cuda" and cache.k.device.type == "cuda"
     assert (got - ref).abs().max().item() < 1e-4
 

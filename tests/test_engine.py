@@ -11,21 +11,27 @@ from kvcmas_bench.ops.kvmath import relative_error
 
 from .conftest import LLAMA3_ROPE, rand_ids, tiny_model
 
+PIECES = [rand_ids(n, s) for n, s in [(7, 1), (13, 2), (5, 3), (9, 4)]]
 
-@pytest.mark.parametrize("family,rope", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", LLAMA3_ROPE)])
-def test_segmentwise_prefill_matches_whole_forward(family, rope):
-    model = tiny_model(family, rope)
-    eng = Engine(model)
-    pieces = [rand_ids(n, s) for n, s in [(7, 1), (13, 2), (5, 3), (9, 4)]]
-    ids = [t for p in pieces for t in p]
-    ref = model(torch.tensor([ids])).logits[0]
-    cache = eng.new_cache(len(ids))
+
+def segmentwise_logits(eng: Engine, pieces: list[list[int]]):
+    """Logits of every token, the pieces prefilled one after the other into one cache; and the cache."""
+    cache = eng.new_cache(sum(map(len, pieces)))
     pos, outs = 0, []
     for p in pieces:
         _, h = eng.prefill(cache, p, pos)
         outs.append(eng.logits(h)[0])
         pos += len(p)
-    got = torch.cat(outs)
+    return torch.cat(outs), cache
+
+
+@pytest.mark.parametrize("family,rope", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", LLAMA3_ROPE)])
+def test_segmentwise_prefill_matches_whole_forward(family, rope):
+    model = tiny_model(family, rope)
+    eng = Engine(model)
+    ids = [t for p in PIECES for t in p]
+    ref = model(torch.tensor([ids])).logits[0]
+    got, _ = segmentwise_logits(eng, PIECES)
     assert (got - ref).abs().max().item() < 1e-4
     assert (eng.dense_logits(ids) - ref).abs().max().item() < 1e-4
 
