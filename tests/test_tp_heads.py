@@ -225,6 +225,33 @@ def test_truncated_anchors_factor_per_rank_and_both_ranks_still_decide_alike(eng
     assert any(st == "corrected" for st, *_ in r0)
 
 
+def test_a_nonfinite_correction_on_one_rank_makes_every_rank_fall_back(engine, steps, monkeypatch):
+    """Rank 1's corrections turn NaN: both ranks fall back to dense on the same steps (no rank serves
+    a corrected segment while the other prefills it), and rank 0's own corrections were finite."""
+    from kvcmas_bench.methods.delta import OnlineDeltaCorrection
+
+    local = threading.local()
+    real = OnlineDeltaCorrection.weighted_delta
+
+    def poisoned(stack, w, start=0):
+        out = real(stack, w, start)
+        return out * float("nan") if getattr(local, "rank", 0) == 1 else out
+
+    monkeypatch.setattr(OnlineDeltaCorrection, "weighted_delta", staticmethod(poisoned))
+
+    def rank(r, all_reduce):
+        local.rank = r
+        m = get_method("kvcmas", anchors=3, rank=64, tau=1.0)
+        return _serve(engine, steps, m, slice(r, r + 1), HeadShards(r, 2, 2, all_reduce))
+
+    (r0, r1), _ = on_ranks(2, rank)
+    fallbacks = [d.get("fallback") for _, d, _, _ in r0]
+    assert "nonfinite" in fallbacks  # the gate accepted and rank 1's NaN reached rank 0's decision
+    assert fallbacks == [d.get("fallback") for _, d, _, _ in r1]
+    assert [st for st, *_ in r0] == [st for st, *_ in r1] and "corrected" not in [st for st, *_ in r0]
+    assert all(torch.isfinite(k).all() and torch.isfinite(v).all() for _, _, k, v in r0 + r1)
+
+
 # ---- the worker runtime: one outcome per request over the ranks ------------------------------------
 def test_worker_ranks_agree_on_each_plan_and_only_rank_0_answers():
     from kvcmas_bench.methods.base import METHODS as REGISTRY

@@ -310,10 +310,11 @@ class OnlineDeltaCorrection(Method):
                     sqdist = shards.reduce_heads(sqdist)
             return (sqdist / elements).sqrt()
         x = _rows(x)
-        diffs = [x - r.float() for r in stack.rows(start, x.shape[1])]
+        # one anchor's difference at a time: V of them at once is V x [layers, block, D] float32
+        rows = stack.rows(start, x.shape[1])
         if n_shards == 1:
-            return torch.stack([d.abs().mean(dim=(0, 2)) for d in diffs])
-        return shards.reduce_heads(torch.stack([d.abs().sum(dim=(0, 2)) for d in diffs])) / elements
+            return torch.stack([(x - r.float()).abs().mean(dim=(0, 2)) for r in rows])
+        return shards.reduce_heads(torch.stack([(x - r.float()).abs().sum(dim=(0, 2)) for r in rows])) / elements
 
     # ---- Eq. 8 ---------------------------------------------------------------------------------
     def correct(self, ctx: SegmentContext, dec: GateDecision, ref: SegmentKV) -> SegmentKV | None:
@@ -342,7 +343,8 @@ class OnlineDeltaCorrection(Method):
         }
         frame = ref.start if all(f.lowrank for f in stacks["k"]) else 0  # the keys' positions
         stacks["k"] = tuple(f.rotated(frame, inv, heads) for f in stacks["k"])
-        # per-block figures stay on the device and are read once at the end (one sync, not three per block)
+        # per-block figures stay on the device and are read once at the end (a block's one host read
+        # is its choice between the stacked and the sparse apply; there were four per block and part)
         dev = ref.v.device
         kept = {p: torch.zeros((), device=dev) for p in "kv"}
         dropped, finite = torch.zeros((), device=dev), torch.ones((), dtype=torch.bool, device=dev)
@@ -366,8 +368,11 @@ class OnlineDeltaCorrection(Method):
                     dropped = torch.maximum(dropped, mass.max().float())
                 shift = ctx.start - frame if p == "k" else 0
                 add_shift_into(out[p][:, :, start : start + n], x, shift, inv, corr)
-        ok, kept_k, kept_v, dropped = torch.stack([finite.float(), kept["k"], kept["v"], dropped]).tolist()
-        if not ok:  # the dense fallback overwrites the rows written above
+        bad = (~finite).float()
+        if ctx.head_shards > 1:  # a NaN/inf on any rank's heads: every rank falls back
+            bad = ctx.reduce_heads(bad)
+        bad, kept_k, kept_v, dropped = torch.stack([bad, kept["k"], kept["v"], dropped]).tolist()
+        if bad:  # the dense fallback overwrites the rows written above
             return None
         kept = {"k": kept_k, "v": kept_v}
         if k < S:  # rows beyond the covered prefix: the aligned reference
