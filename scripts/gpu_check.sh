@@ -15,7 +15,7 @@ PY=${PY:-.venv-vllm/bin/python}
 "$PY" -m pytest -q -rs tests/test_vllm_server.py tests/test_vllm_backend.py
 MODEL_ARGS=()
 [ -n "${MODEL:-}" ] && MODEL_ARGS=(--model "$MODEL")
-"$PY" -m kvcmas_bench.cli serve-sweep --engine vllm "${MODEL_ARGS[@]}" --device cuda --dtype bfloat16 \
+"$PY" -m kvcmas_bench.cli serve-sweep --engine vllm ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} --device cuda --dtype bfloat16 \
     --method nonshared,fullshared,kvcmas,kvcomm,graphflow --qps 0,4 --shared-tokens 1024 --trajectories 4 \
     --calib-trajectories 2 --output-tokens 16 --engine-arg stop_at_first_token=true -o runs/gpu-check
 echo "gpu_check: PASSED (results in runs/gpu-check)"

@@ -18,9 +18,9 @@ MODEL_ARGS=()
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py
 for m in nonshared fullshared kvcmas; do
-    "$PY" -m kvcmas_bench.cli run --method "$m" --workload mmlu "${MODEL_ARGS[@]}" --device cuda --dtype "$DTYPE" \
+    "$PY" -m kvcmas_bench.cli run --method "$m" --workload mmlu ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} --device cuda --dtype "$DTYPE" \
         --limit "${LIMIT:-8}" --max-new-tokens 32 --final-max-new-tokens 8 --fidelity -o "$OUT_DIR/run-$m"
 done
-"$PY" benchmarks/delta_correction.py "${MODEL_ARGS[@]}" --device cuda --dtype "$DTYPE" --tokens 4096 --repeats 5 \
+"$PY" benchmarks/delta_correction.py ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} --device cuda --dtype "$DTYPE" --tokens 4096 --repeats 5 \
     | tee "$OUT_DIR/delta_correction.txt"
 echo "gpu_inprocess_check: PASSED (results in $OUT_DIR)"
