@@ -117,7 +117,8 @@ def anchor_dtypes(engine) -> list[tuple[str | None, str]]:
     """The two anchor dtypes measured, as (``anchor_dtype`` option, name): the model's own (None)
     first, then the other of float32 and bfloat16."""
     own = str(engine.dtype).replace("torch.", "")
-    return [(None, own), ("bfloat16" if own == "float32" else "float32", "bfloat16" if own == "float32" else "float32")]
+    other = "bfloat16" if own == "float32" else "float32"
+    return [(None, own), (other, other)]
 
 
 def correction_gemms(pool: AnchorPool, consumer: str, blocks: list[int], L: int, D: int) -> list[Gemm]:

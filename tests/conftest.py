@@ -45,6 +45,17 @@ def tiny_model(family: str = "llama", rope: dict | None = None, seed: int = 0, *
     return model.eval()
 
 
+def smooth_tiny_model(seed: int = 1):
+    """A tiny random Llama with small weights (std 0.05): its caches vary smoothly with the content,
+    so corrections learned on some questions carry over to others, as on a real model."""
+    model = tiny_model("llama", seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.mul_(0.25)
+    return model
+
+
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 10000.0,

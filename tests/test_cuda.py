@@ -14,11 +14,12 @@ import json
 import pytest
 import torch
 
+from kvcmas_bench.calibration import Recorder
 from kvcmas_bench.engine import Engine, Request, Segment
 from kvcmas_bench.methods import METHODS, get_method
 from kvcmas_bench.ops.kvmath import relative_error
 
-from .conftest import LLAMA3_ROPE, rand_ids, run_cli, tiny_model
+from .conftest import LLAMA3_ROPE, rand_ids, run_cli, smooth_tiny_model, tiny_model
 from .test_engine import PIECES, segmentwise_logits
 from .test_paper_semantics import NODES, chain, chain_request
 
@@ -86,6 +87,14 @@ def _options(name: str) -> dict:
     return {}
 
 
+#: the status of a shared segment served by each sharing method's own path (NonShared has none)
+OWN_STATUS = {
+    **dict.fromkeys(["graphflow", "kvcmas", "kvcmas-nonchained", "kvcomm"], "corrected"),
+    **dict.fromkeys(["cacheblend", "droidspeak", "relaycaching"], "recomputed"),
+    "fullshared": "reused",
+}
+
+
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_every_method_on_cuda_follows_its_cpu_run(pair, name):
     """Three samples through the 4-agent chain with fidelity: the same first tokens and statuses on
@@ -94,26 +103,15 @@ def test_every_method_on_cuda_follows_its_cpu_run(pair, name):
     runs = {}
     for eng in pair:
         m = get_method(name, **_options(name))
-        if hasattr(m, "calibrate"):
-            from kvcmas_bench.calibration import Recorder
-
-            rec = Recorder(with_reference=True)
-            chain(eng, rec, rand_ids(12, 60))
-            if rec.observations:
-                m.calibrate(rec.observations, eng.n_layers)
+        rec = Recorder(with_reference=True)  # every method calibrates (a no-op for most)
+        chain(eng, rec, rand_ids(12, 60))
+        m.calibrate(rec.observations, eng.n_layers)
         out = []
         for seed in (61, 62, 63):
             out += chain(eng, m, rand_ids(12, seed), fidelity=True)
         runs[eng.device.type] = out
-    reused = {"graphflow": "corrected", "kvcmas": "corrected", "kvcmas-nonchained": "corrected", "kvcomm": "corrected"}
-    reused |= {
-        "cacheblend": "recomputed",
-        "relaycaching": "recomputed",
-        "droidspeak": "recomputed",
-        "fullshared": "reused",
-    }
-    if name in reused:  # the method's own path ran, not only dense fallbacks
-        assert reused[name] in [r.segments[1].status for r in runs["cuda"]]
+    if name in OWN_STATUS:  # the method's own path ran, not only dense fallbacks
+        assert OWN_STATUS[name] in [r.segments[1].status for r in runs["cuda"]]
     for c, g in zip(runs["cpu"], runs["cuda"]):
         assert g.first_token == c.first_token
         assert [s.status for s in g.segments] == [s.status for s in c.segments]
@@ -138,12 +136,7 @@ def test_kvcmas_exact_anchor_on_cuda_reproduces_dense(pair):
 def test_bfloat16_kvcmas_chain_runs_on_cuda():
     """bfloat16 weights (the GPU default of serving): anchors, gate and correction keep their dtypes
     consistent; the KV error stays small next to FullShared's."""
-    model = tiny_model("llama", seed=1)
-    with torch.no_grad():  # small weights, as test_paper_semantics' smooth engine: caches vary smoothly
-        for p in model.parameters():
-            if p.ndim > 1:
-                p.mul_(0.25)
-    eng = Engine(model.to(CUDA, torch.bfloat16))
+    eng = Engine(smooth_tiny_model().to(CUDA, torch.bfloat16))
     errs = {}
     for name in ("fullshared", "kvcmas"):
         m = get_method(name, **_options(name))

@@ -20,7 +20,7 @@ from kvcmas_bench.results.request import RequestRecord
 from kvcmas_bench.results.summary import accounting, fidelity, records_frame, reuse_ratio
 from kvcmas_bench.workloads import get_workload
 
-from .conftest import interrupt_on_call, rand_ids, run_cli, tiny_model
+from .conftest import interrupt_on_call, rand_ids, run_cli, smooth_tiny_model
 
 PF_A, PF_B, PF_C = rand_ids(6, 10), rand_ids(9, 11), rand_ids(7, 15)
 TAIL = rand_ids(4, 13)
@@ -38,12 +38,7 @@ def req(agent: str, pf: list[int], shared: dict[str, list[int]], node: str | Non
 def smooth():
     """A tiny random Llama with small weights (std 0.05): its caches vary smoothly with the
     content, so corrections learned on some questions carry over to others, as on a real model."""
-    model = tiny_model("llama", seed=1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim > 1:
-                p.mul_(0.25)
-    return Engine(model)
+    return Engine(smooth_tiny_model())
 
 
 # ---- the gate -----------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from kvcmas_bench.methods import METHODS, Method, get_method, register
 from kvcmas_bench.methods.anchors import AnchorPool
 from kvcmas_bench.ops.kvmath import shift_keys
 
-from .conftest import rand_ids, run_cli, tiny_model
+from .conftest import rand_ids, run_cli, smooth_tiny_model
 
 NODES = ("A#0", "B#1", "C#2", "D#3")
 PF = {n: rand_ids(5 + i, 100 + i) for i, n in enumerate(NODES)}
@@ -34,12 +34,7 @@ TAIL = rand_ids(3, 99)
 @pytest.fixture(scope="module")
 def smooth_engine():
     """Small weights (std 0.05): caches vary smoothly with the content, as on a real model."""
-    model = tiny_model("llama", seed=1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim > 1:
-                p.mul_(0.25)
-    return Engine(model)
+    return Engine(smooth_tiny_model())
 
 
 def chain_request(node: str, q: list[int], r: list[int] | None = None) -> Request:
