@@ -133,6 +133,22 @@ def test_kvcmas_exact_anchor_on_cuda_reproduces_dense(pair):
         assert r.segments[1].kv_rel_error < 1e-4
 
 
+def test_subspace_factorization_on_cuda_equals_the_cpu_one_and_the_exact_truncation():
+    """The default factorization on a GPU (svd=auto: subspace iteration) against the same call on the
+    CPU (same seeded start) and against the exact truncated SVD's reconstruction error."""
+    from kvcmas_bench.ops.lowrank import factorize, truncated_svd
+
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(3, 300, 96, generator=g) @ torch.randn(3, 96, 96, generator=g) * torch.linspace(0.1, 3.0, 96)
+    a_gpu, b_gpu = factorize(z.to(CUDA), 16)
+    assert a_gpu.device.type == "cuda"
+    a_cpu, b_cpu = factorize(z, 16, "subspace")
+    rec_gpu, rec_cpu = torch.bmm(a_gpu, b_gpu).cpu(), torch.bmm(a_cpu, b_cpu)
+    assert relative_error(rec_gpu, rec_cpu) < 1e-4
+    exact = relative_error(torch.bmm(*truncated_svd(z, 16)), z)
+    assert abs(relative_error(rec_gpu, z) / exact - 1) < 1e-4
+
+
 def test_bfloat16_kvcmas_chain_runs_on_cuda():
     """bfloat16 weights (the GPU default of serving): anchors, gate and correction keep their dtypes
     consistent; the KV error stays small next to FullShared's."""

@@ -15,6 +15,7 @@ from kvcmas_bench.methods.anchors import AnchorPool, stack_b
 from kvcmas_bench.ops.kvmath import relative_error, shift_keys
 from kvcmas_bench.ops.lowrank import (
     add_shift_into,
+    factorize,
     from_rows,
     operand_rows,
     rotate_rows,
@@ -23,6 +24,7 @@ from kvcmas_bench.ops.lowrank import (
     token_sqnorms,
     truncated_svd,
     truncated_svd_gram,
+    truncated_svd_subspace,
 )
 
 from .conftest import rand_ids
@@ -113,6 +115,65 @@ def test_gram_factorization_equals_the_exact_truncated_svd():
         assert relative_error(torch.bmm(a2, b2), torch.bmm(a1, b1)) < 1e-3
         eye = torch.eye(b2.shape[1]).expand(3, -1, -1)
         assert torch.allclose(torch.bmm(b2, b2.transpose(1, 2)), eye, atol=1e-4)  # orthonormal rows
+
+
+def _known_spectrum(L: int, S: int, D: int, s: list[float], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``L`` layers of ``U diag(s) V^T`` with random orthonormal ``U`` (``S x n``) and ``V`` (``D x n``)."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(L, S, len(s), generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn(L, D, len(s), generator=g, dtype=torch.float64))[0]
+    return (u * torch.tensor(s, dtype=torch.float64)) @ v.transpose(1, 2), u, v
+
+
+def test_subspace_factorization_reaches_the_exact_truncation_of_a_known_spectrum():
+    """Singular values 10, 9, ..., 3 then 1, 0.9, ..., 0.1 (a gap after the eighth): the best rank-8
+    approximation is the first eight terms, with relative error sqrt(sum of the tail's squares /
+    sum of all squares), by hand sqrt(3.85 / (380 + 3.85)) = 0.10015. The subspace iteration
+    (k = 8 + 16 = 24 < D = 64, 8 iterations) must find it, with orthonormal rows of B."""
+    top = [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0]
+    tail = [1.0 - 0.1 * i for i in range(10)]
+    z64, u, v = _known_spectrum(3, 200, 64, top + tail, 0)
+    z = z64.float()
+    a, b = truncated_svd_subspace(z, 8)
+    assert a.shape == (3, 200, 8) and b.shape == (3, 8, 64)
+    assert abs(relative_error(torch.bmm(a, b), z) - math.sqrt(3.85 / 383.85)) < 1e-5
+    best = (u[..., :8] * torch.tensor(top, dtype=torch.float64)) @ v[..., :8].transpose(1, 2)
+    assert float((torch.bmm(a, b).double() - best).abs().max()) < 1e-4
+    assert torch.allclose(torch.bmm(b, b.transpose(1, 2)), torch.eye(8).expand(3, -1, -1), atol=1e-5)
+
+
+def test_subspace_factorization_with_a_dominant_direction():
+    """Singular values 1000, 10, 9, ..., 4 then 1, 0.9, ..., 0.1: the Gram matrix spans six orders of
+    magnitude, where a single Cholesky QR per iteration loses the weaker directions in float32
+    rounding. The best rank-8 error, by hand: sqrt(3.85 / (1e6 + 371 + 3.85)) = 1.9618e-3."""
+    top = [1000.0, 10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0]
+    z = _known_spectrum(2, 400, 96, top + [1.0 - 0.1 * i for i in range(10)], 3)[0].float()
+    err = relative_error(torch.bmm(*truncated_svd_subspace(z, 8)), z)
+    assert abs(err / (3.85 / (1e6 + 371 + 3.85)) ** 0.5 - 1) < 1e-3
+
+
+def test_subspace_factorization_of_zero_and_rank_deficient_layers_is_exact():
+    """Layer 0 all zeros (as a delta whose first layer does not depend on the prefix), layer 1 of
+    rank 3 < r = 8: both reconstructed exactly, no NaN (the last orthonormalization drops the empty
+    directions instead of dividing by them)."""
+    z = torch.zeros(2, 100, 48)
+    z[1] = _known_spectrum(1, 100, 48, [5.0, 2.0, 1.0], 1)[0][0].float()
+    a, b = truncated_svd_subspace(z, 8)
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    assert float(torch.bmm(a, b)[0].abs().max()) == 0.0
+    assert float((torch.bmm(a, b)[1] - z[1]).abs().max()) < 1e-5
+
+
+def test_subspace_factorization_is_deterministic_and_auto_is_gram_on_the_cpu():
+    z = _known_spectrum(2, 150, 64, [float(30 - i) for i in range(30)], 2)[0].float()
+    a1, b1 = truncated_svd_subspace(z, 8)
+    a2, b2 = truncated_svd_subspace(z, 8)
+    assert torch.equal(a1, a2) and torch.equal(b1, b2)  # seeded start: the same factors every call
+    ag, bg = truncated_svd_gram(z, 8)
+    af, bf = factorize(z, 8)
+    assert torch.equal(af, ag) and torch.equal(bf, bg)
+    small = z[:, :40]  # not longer than D: the exact Gram path
+    assert all(torch.equal(x, y) for x, y in zip(truncated_svd_subspace(small, 8), truncated_svd_gram(small, 8)))
 
 
 def test_fused_rotation_layout_equals_rotate_then_permute():
@@ -249,3 +310,35 @@ def test_correction_is_written_into_the_request_cache_and_detached_after_the_fir
         shift_keys(shift_keys(aligned.k, -got.start, engine.inv_freq) + 0.5, got.start, engine.inv_freq),
         atol=1e-5,
     )
+
+
+def test_subspace_and_gram_factorizations_give_the_same_chain(engine, monkeypatch):
+    """KVCMAS at rank 4 on the tiny model's 4-agent chain (48-token question, D = 32 > 4 + 16), once
+    with each factorization: the same statuses and first tokens, KV errors equal to 1e-3 relative,
+    and the subspace run really factorized by subspace iteration."""
+    from kvcmas_bench.ops import lowrank
+
+    from .test_paper_semantics import chain
+
+    calls = []
+    real = lowrank.truncated_svd_subspace
+
+    def spy(z, rank, *a, **kw):
+        calls.append(tuple(z.shape))
+        return real(z, rank, *a, **kw)
+
+    monkeypatch.setattr(lowrank, "truncated_svd_subspace", spy)
+    runs = {}
+    for svd in ("gram", "subspace"):
+        m = get_method("kvcmas", anchors=4, rank=4, tau=1.0, svd=svd)
+        for seed in (81, 82):
+            chain(engine, m, rand_ids(48, seed))
+        runs[svd] = chain(engine, m, rand_ids(48, 83), fidelity=True)
+    assert calls and all(s[1] == 48 and s[2] == 32 for s in calls)
+    statuses = [[s.status for s in r.segments] for r in runs["gram"]]
+    assert statuses == [[s.status for s in r.segments] for r in runs["subspace"]]
+    assert sum(st.count("corrected") for st in statuses) >= 3
+    for a, b in zip(runs["gram"], runs["subspace"]):
+        assert a.first_token == b.first_token
+        ea, eb = a.segments[1].kv_rel_error, b.segments[1].kv_rel_error
+        assert abs(ea - eb) <= 1e-3 * max(ea, 1e-6) + 1e-6

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.lowrank import rotate_rows, row_sqnorms, truncated_svd, truncated_svd_gram
+from ..ops.lowrank import factorize, rotate_rows, row_sqnorms
 
 PARTS = ("base_k", "base_v", "delta_k", "delta_v")
 
@@ -49,12 +49,12 @@ class Factor:
     sq: torch.Tensor | None = None
 
     @classmethod
-    def make(cls, z: torch.Tensor, rank: int | None, dtype: torch.dtype | None = None, svd: str = "gram") -> Factor:
-        """Full copy (``rank=None``) or rank-``rank`` SVD factors (``svd``: "gram" or "exact"), in ``dtype``."""
+    def make(cls, z: torch.Tensor, rank: int | None, dtype: torch.dtype | None = None, svd: str = "auto") -> Factor:
+        """Full copy (``rank=None``) or rank-``rank`` SVD factors (``svd``: see :func:`factorize`), in ``dtype``."""
         dtype = dtype or z.dtype
         if rank is None:
             return cls(z.to(dtype, copy=True))
-        a, b = (truncated_svd_gram if svd == "gram" else truncated_svd)(z, rank)
+        a, b = factorize(z, rank, svd)
         a = a.to(dtype)
         return cls(a, b.to(dtype), row_sqnorms(a))
 
@@ -223,7 +223,7 @@ class AnchorPool:
         delta_v: torch.Tensor,
         rank: int | None,
         dtype: torch.dtype | None = None,
-        svd: str = "gram",
+        svd: str = "auto",
         delta_rank: int | None = None,
     ) -> Anchor:
         """Add the consumer's entry to the anchor of ``instance`` (created, evicting when the pool is

@@ -23,6 +23,7 @@ from ..engine import SegmentContext, SegmentKV
 from ..ops.gate import DEFAULT_GATE_TEMPERATURE, GATES, gate_scores
 from ..ops.kvmath import shift_keys
 from ..ops.lowrank import (
+    FACTORIZATIONS,
     add_shift_into,
     gate_entropy,
     lowrank_apply,
@@ -62,8 +63,10 @@ class OnlineDeltaCorrection(Method):
     #: memory and runs the gate/weight/apply GEMMs in bf16 (reductions stay in float32)
     anchor_dtype: str | None = None
     #: anchor factorization: "gram" (top eigenvectors of the per-layer Gram matrix: the exact
-    #: truncated SVD at a fraction of its cost) or "exact" (a full SVD of every layer)
-    svd: str = "gram"
+    #: truncated SVD at a fraction of its cost), "exact" (a full SVD of every layer), "subspace"
+    #: (subspace iteration on the Gram matrix: GEMMs only, equal to the exact truncation to ~1e-5),
+    #: "auto" (gram on the CPU, subspace on a GPU, where a batched eigh is latency-bound)
+    svd: str = "auto"
     #: gate scores (``ops/gate.py``): "paper" = raw distances, softmax T = 1 (Eq. 9-10); "scaled" =
     #: relative excess distance over the closest anchor, in units of ``gate_temperature``
     gate_mode: str = "paper"
@@ -117,7 +120,7 @@ class OnlineDeltaCorrection(Method):
             self.anchor_dtype in (None, "bfloat16", "float16", "float32"),
             f"--anchor-dtype must be bfloat16, float16 or float32, got {self.anchor_dtype!r}",
         )
-        check(self.svd in ("gram", "exact"), f"svd must be 'gram' or 'exact', got {self.svd!r}")
+        check(self.svd in FACTORIZATIONS, f"svd must be one of {', '.join(FACTORIZATIONS)}, got {self.svd!r}")
         check(0.0 <= self.prune_tol < 0.5, f"prune_tol must lie in [0, 0.5), got {self.prune_tol}")
 
     @classmethod
