@@ -64,7 +64,7 @@ class OnlineDeltaCorrection(Method):
     anchor_dtype: str | None = None
     #: anchor factorization: "gram" (top eigenvectors of the per-layer Gram matrix: the exact
     #: truncated SVD at a fraction of its cost), "exact" (a full SVD of every layer), "subspace"
-    #: (subspace iteration on the Gram matrix: GEMMs only, equal to the exact truncation to ~1e-5),
+    #: (subspace iteration on the Gram matrix: GEMMs only; docs/methods.md gives its measured error),
     #: "auto" (gram on the CPU, subspace on a GPU, where a batched eigh is latency-bound)
     svd: str = "auto"
     #: gate scores (``ops/gate.py``): "paper" = raw distances, softmax T = 1 (Eq. 9-10); "scaled" =

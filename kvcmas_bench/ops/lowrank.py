@@ -84,7 +84,8 @@ def _cholesky_qr(x: torch.Tensor, shift: float) -> torch.Tensor:
     m = torch.bmm(x.transpose(1, 2), x)
     diag = m.diagonal(dim1=1, dim2=2)
     diag.add_(shift * diag.amax(-1, keepdim=True) + torch.finfo(x.dtype).tiny)
-    return torch.linalg.solve_triangular(torch.linalg.cholesky(m), x.transpose(1, 2), upper=False).transpose(1, 2)
+    c = torch.linalg.cholesky_ex(m)[0]  # no host sync; the shift keeps m positive definite
+    return torch.linalg.solve_triangular(c, x.transpose(1, 2), upper=False).transpose(1, 2)
 
 
 def truncated_svd_subspace(
@@ -94,25 +95,30 @@ def truncated_svd_subspace(
 
     ``X <- orth(G X)`` ``iters + 1`` times from a seeded Gaussian ``[D, r + oversample]`` start (the
     same start on every device), then Rayleigh-Ritz: the top-``r`` eigenvectors of the ``k x k``
-    matrix ``X^T G X`` (in float64 on the host; its eigenvalue problem is tiny). Orthonormalization
-    in the loop is a shifted Cholesky QR3 (GEMMs and ``k x k`` Cholesky factors); the last one is exact, through
-    the eigenvectors of ``X^T X``, dropping directions below float32 precision, so a rank-deficient
-    layer (an all-zero delta) gives exact zero columns. An approximation of the exact truncated SVD:
-    the error in the captured subspace shrinks like ``(s_{k+1} / s_r)^(2 iters)``; on SmolLM2's
-    4K-token K/V deltas and bases its rank-32 reconstruction error equals the exact one to 1e-5
-    relative (``benchmarks/delta_correction.py`` prints both). Why: on a GPU, a batched ``eigh`` of
-    ``L`` matrices of ``D x D`` is latency-bound (H200, 32 of 1024 x 1024: 0.336 s, 2.4x a dense
-    4K-token prefill of an 8B model), while these GEMMs take milliseconds. Falls back to the exact
-    Gram factorization when ``r + oversample >= D`` or the segment is not longer than ``D``.
+    matrix ``X^T G X`` (in float64 on the host; its eigenvalue problem is tiny). ``G`` is scaled to a
+    unit largest diagonal entry per layer first (the same eigenvectors; no overflow in the squares).
+    Orthonormalization in the loop is a shifted Cholesky QR3 (GEMMs and ``k x k`` Cholesky factors);
+    the last one is exact, through the eigenvectors of ``X^T X``, dropping directions below float32
+    precision, so a rank-deficient layer (an all-zero delta) gives exact zero columns. A layer with a
+    NaN/inf gives NaN factors (as the Gram path does), so the correction's non-finite check falls back
+    to dense prefill. An approximation of the exact truncated SVD: the error in the captured subspace
+    shrinks like ``(s_{k+1} / s_r)^(2 iters)``; on SmolLM2's 4K-token K/V deltas and bases its rank-32
+    reconstruction error equals the exact one to 6e-6 relative (``benchmarks/delta_correction.py``
+    prints both). Why: on a GPU, a batched ``eigh`` of ``L`` matrices of ``D x D`` is latency-bound
+    (H200, 32 of 1024 x 1024: 0.336 s, 2.4x a dense 4K-token prefill of an 8B model), while these
+    GEMMs take milliseconds. Falls back to the exact Gram factorization when ``r + oversample >= D``.
     """
     L, S, D = z.shape
     r = min(rank, D)
     k = r + oversample
-    if S <= D or k >= D:
+    if k >= D:
         return truncated_svd_gram(z, rank)
     zf = z.float()
     g = torch.bmm(zf.transpose(1, 2), zf)
-    start = torch.randn(L, D, k, generator=torch.Generator().manual_seed(seed))
+    bad = ~torch.isfinite(g).flatten(1).all(1)
+    scale = g.diagonal(dim1=1, dim2=2).amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    g = torch.where(bad[:, None, None], 0.0, g / torch.where(bad, 1.0, scale)[:, None, None])
+    start = torch.randn(L, D, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
     x = start.to(z.device)
     for _ in range(iters + 1):
         x = _cholesky_qr(_cholesky_qr(_cholesky_qr(torch.bmm(g, x), 1e-5), 1e-6), 1e-6)
@@ -123,6 +129,7 @@ def truncated_svd_subspace(
     p = u * torch.where(keep, lam.clamp_min(1e-300).rsqrt(), torch.zeros_like(lam))[:, None, :]
     _, w = torch.linalg.eigh(p.transpose(1, 2) @ small[1] @ p)
     v = torch.bmm(x, (p @ w[..., -r:].flip(-1)).float().to(z.device))  # [L, D, r], largest first
+    v = torch.where(bad[:, None, None], torch.nan, v)
     a = torch.bmm(zf, v)
     return a.to(z.dtype).contiguous(), v.transpose(1, 2).to(z.dtype).contiguous()
 
