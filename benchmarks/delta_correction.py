@@ -60,7 +60,14 @@ from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import Anchor, AnchorPool, Entry, Factor
 from kvcmas_bench.modeling import load_model
 from kvcmas_bench.ops.kvmath import relative_error
-from kvcmas_bench.ops.lowrank import shift_to_rows, to_rows, truncated_svd, truncated_svd_gram, truncated_svd_subspace
+from kvcmas_bench.ops.lowrank import (
+    factorization,
+    shift_to_rows,
+    to_rows,
+    truncated_svd,
+    truncated_svd_gram,
+    truncated_svd_subspace,
+)
 
 
 def dense_segment(engine: Engine, pre: list[int], seg: list[int]):
@@ -391,7 +398,7 @@ def construction(engine, args, last, d: Summary):
     print(
         f"  Gram {times['exact'].median / times['gram'].median:.1f}x faster than the exact SVD, subspace "
         f"{times['gram'].median / times['subspace'].median:.1f}x faster than Gram (medians); the method's default "
-        f"(svd=auto) on {engine.device.type}: {'gram' if engine.device.type == 'cpu' else 'subspace'}"
+        f"(svd=auto) on {engine.device.type}: {factorization('auto', engine.device)}"
     )
 
 

@@ -138,13 +138,16 @@ def truncated_svd_subspace(
 FACTORIZATIONS = ("auto", "gram", "exact", "subspace")
 
 
+def factorization(svd: str, device: torch.device) -> str:
+    """The factorization ``svd`` names on ``device``. "auto": the exact Gram factorization on the CPU,
+    the subspace iteration elsewhere (where ``eigh`` is latency-bound)."""
+    return ("gram" if device.type == "cpu" else "subspace") if svd == "auto" else svd
+
+
 def factorize(z: torch.Tensor, rank: int, svd: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-``rank`` factors ``A, B`` of every layer of ``z`` by the named method. "auto": the exact
-    Gram factorization on the CPU, the subspace iteration elsewhere (where ``eigh`` is latency-bound)."""
-    if svd == "auto":
-        svd = "gram" if z.device.type == "cpu" else "subspace"
-    fn = {"gram": truncated_svd_gram, "exact": truncated_svd, "subspace": truncated_svd_subspace}[svd]
-    return fn(z, rank)
+    """Rank-``rank`` factors ``A, B`` of every layer of ``z`` by the named method (:func:`factorization`)."""
+    fn = {"gram": truncated_svd_gram, "exact": truncated_svd, "subspace": truncated_svd_subspace}
+    return fn[factorization(svd, z.device)](z, rank)
 
 
 def rope_shift_halves(inv_freq: torch.Tensor, delta: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,8 +70,8 @@ def _resolve_model(spec: str | None) -> tuple[str, str]:
         raise BenchError("--engine vllm takes an HF folder or id, not a .gguf file (the default model is converted)")
     p = Path(spec).expanduser()
     if p.exists():
-        random = (p / "RANDOM_WEIGHTS.json").exists()  # benchmarks/random_model.py, as load_model marks it
-        return str(p), f"{spec} (random weights)" if random else str(spec)
+        marked = (p / "RANDOM_WEIGHTS.json").exists()  # benchmarks/random_model.py, as load_model marks it
+        return str(p), f"{spec} (random weights)" if marked else str(spec)
     if str(spec).startswith((".", "/", "~")) or str(spec).count("/") != 1:
         raise BenchError(f"model not found: {spec} (not a local folder or HF id)")
     return str(spec), str(spec)
