@@ -117,8 +117,9 @@ def test_gram_factorization_equals_the_exact_truncated_svd():
         assert torch.allclose(torch.bmm(b2, b2.transpose(1, 2)), eye, atol=1e-4)  # orthonormal rows
 
 
-def _known_spectrum(L: int, S: int, D: int, s: list[float], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``L`` layers of ``U diag(s) V^T`` with random orthonormal ``U`` (``S x n``) and ``V`` (``D x n``)."""
+def _known_spectrum(L: int, S: int, D: int, s: list[float], seed: int) -> tuple[torch.Tensor, ...]:
+    """``L`` layers of ``U diag(s) V^T`` (float64) with random orthonormal ``U`` (``S x n``) and ``V``
+    (``D x n``); returns the matrix, ``U`` and ``V``."""
     g = torch.Generator().manual_seed(seed)
     u = torch.linalg.qr(torch.randn(L, S, len(s), generator=g, dtype=torch.float64))[0]
     v = torch.linalg.qr(torch.randn(L, D, len(s), generator=g, dtype=torch.float64))[0]
@@ -128,8 +129,9 @@ def _known_spectrum(L: int, S: int, D: int, s: list[float], seed: int) -> tuple[
 def test_subspace_factorization_reaches_the_exact_truncation_of_a_known_spectrum():
     """Singular values 10, 9, ..., 3 then 1, 0.9, ..., 0.1 (a gap after the eighth): the best rank-8
     approximation is the first eight terms, with relative error sqrt(sum of the tail's squares /
-    sum of all squares), by hand sqrt(3.85 / (380 + 3.85)) = 0.10015. The subspace iteration
-    (k = 8 + 16 = 24 < D = 64, 8 iterations) must find it, with orthonormal rows of B."""
+    sum of all squares), by hand sqrt(3.85 / (380 + 3.85)) = 0.10015. The matrix has rank 18 < k = 24,
+    so this checks the Rayleigh-Ritz step and B's orthonormal rows; the iterations themselves are
+    held by the full-rank test below."""
     top = [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0]
     tail = [1.0 - 0.1 * i for i in range(10)]
     z64, u, v = _known_spectrum(3, 200, 64, top + tail, 0)
