@@ -11,7 +11,7 @@ ratio beside its target:
      correction under the torch profiler, its time split by kind of operator (GEMMs, element-wise
      arithmetic, copies and conversions, other operators, and the rest: Python and dispatch);
   3. anchor construction after a dense fallback (canonical rotation, deltas, four rank-32
-     factorizations, all layers) as a share of that dense prefill; goal <= 10%; with the Gram
+     factorizations, all layers) as a share of that dense prefill; goal <= 10%; with the Gram and subspace
      factorization's reconstruction error next to the exact truncated SVD's;
   4. the TTFT of one accepted request [PF_B, shared, tail] for KVCMAS vs NonShared and FullShared,
      with the two anchors the gate needs (two instances of the slot: the measured text and another
@@ -63,6 +63,7 @@ from kvcmas_bench.ops.kvmath import relative_error
 from kvcmas_bench.ops.lowrank import (
     factorization,
     shift_to_rows,
+    subspace_factors,
     to_rows,
     truncated_svd,
     truncated_svd_gram,
@@ -384,21 +385,35 @@ def construction(engine, args, last, d: Summary):
         f"  = {100 * c.median / d.median:.1f}% of the dense prefill (median; goal <= 10%); a fallback request costs "
         f"{(d.median + c.median) / d.median:.2f}x NonShared's prefill (goal <= 1.1x)"
     )
-    kinds = {"exact": truncated_svd, "gram": truncated_svd_gram, "subspace": truncated_svd_subspace}
+    low = dict(gram_dtype=torch.bfloat16)
+    kinds = {
+        "exact": truncated_svd,
+        "gram": truncated_svd_gram,
+        "subspace": truncated_svd_subspace,
+        "subspace16": lambda z, r: truncated_svd_subspace(z, r, **low),
+    }
     times = {k: timed(lambda f=f: f(dk, 32), args.repeats, warmup=1, clock=engine.now) for k, f in kinds.items()}
+    four = [dk, dv, base_k, base_v]
+    times["four"] = timed(lambda: subspace_factors(four, 32, **low), args.repeats, warmup=1, clock=engine.now)
     for name, z in (("K delta", dk), ("V delta", dv), ("K base", base_k)):
         e = {k: relative_error(torch.bmm(*f(z, 32)), z) for k, f in kinds.items()}
         print(
             f"  rank-32 reconstruction error of the {name}: Gram {e['gram']:.5f} vs exact truncated SVD "
-            f"{e['exact']:.5f}; subspace iteration {e['subspace']:.5f} ({e['subspace'] / e['exact'] - 1:+.1e} relative)"
+            f"{e['exact']:.5f}; subspace iteration {e['subspace']:.5f} ({e['subspace'] / e['exact'] - 1:+.1e} "
+            f"relative), from a bfloat16 Gram {e['subspace16'] / e['exact'] - 1:+.1e}"
         )
     print(f"  one factorization, Gram:      {fmt(times['gram'])}")
     print(f"  one factorization, exact SVD: {fmt(times['exact'])}")
     print(f"  one factorization, subspace:  {fmt(times['subspace'])}")
+    print(f"  the same, bfloat16 Gram:      {fmt(times['subspace16'])}")
+    print(f"  an entry's four stacks (K/V deltas, bases) in one subspace iteration, bf16 Gram: {fmt(times['four'])}")
     print(
         f"  Gram {times['exact'].median / times['gram'].median:.1f}x faster than the exact SVD, subspace "
-        f"{times['gram'].median / times['subspace'].median:.1f}x faster than Gram (medians); the method's default "
-        f"(svd=auto) on {engine.device.type}: {factorization('auto', engine.device)}"
+        f"{times['gram'].median / times['subspace'].median:.1f}x faster than Gram, four at once "
+        f"{4 * times['subspace16'].median / times['four'].median:.1f}x faster than four alone (medians); the "
+        f"method's default (svd=auto) on {engine.device.type}: {factorization('auto', engine.device)}, its Gram "
+        f"from bfloat16 rows when the anchors are stored in bfloat16 (the default anchor dtype: the model's, "
+        f"{anchor_dtypes(engine)[0][1]})"
     )
 
 

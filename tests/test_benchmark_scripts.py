@@ -169,3 +169,19 @@ def test_random_model_llama_8b_preset_is_the_published_shape():
         cfg.vocab_size = 128256
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     assert abs(n - 8.03e9) < 0.01e9  # Llama-3.1-8B's published parameter count, by hand
+
+
+def test_profile_anchor_insert_runs_on_a_small_shape(monkeypatch, capsys):
+    """The anchor-insertion profile on the CPU at a small shape (D = 128 > r + 16, so the subspace
+    iteration runs): every section prints, with the operator count of the profiled insertion."""
+    import profile_anchor_insert
+
+    argv = ["profile_anchor_insert.py", "--device", "cpu", "--layers", "2", "--tokens", "256", "--heads", "2"]
+    argv += ["--hd", "64", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    profile_anchor_insert.main()
+    out = capsys.readouterr().out
+    assert out.startswith("# command: ") and "D = 2 x 64 = 128" in out
+    for line in ("svd=subspace, anchors the model's (bfloat16)", "svd=gram", "bfloat16 Gram: four stacks"):
+        assert line in out
+    assert int(out.rsplit("operator calls: ", 1)[1].split()[0]) > 100

@@ -149,6 +149,25 @@ def test_subspace_factorization_on_cuda_equals_the_cpu_one_and_the_exact_truncat
     assert abs(relative_error(rec_gpu, z) / exact - 1) < 1e-4
 
 
+def test_batched_bfloat16_gram_factorization_on_cuda_equals_the_cpu_one():
+    """The anchor insertion's path on a GPU: the bfloat16 Gram matrix by one tensor-core GEMM with
+    float32 output equals the CPU's float32 Gram of the rounded rows, and three stacks factorized in
+    one subspace iteration equal each alone and the CPU's factors."""
+    from kvcmas_bench.ops.lowrank import gram_matrices, subspace_factors, truncated_svd_subspace
+
+    g = torch.Generator().manual_seed(5)
+    zs = [torch.randn(3, 300, 96, generator=g) @ torch.randn(3, 96, 96, generator=g) for _ in range(3)]
+    gpu_gram = gram_matrices(zs[0].to(CUDA), torch.bfloat16)
+    assert gpu_gram.dtype == torch.float32
+    assert torch.allclose(gpu_gram.cpu(), gram_matrices(zs[0], torch.bfloat16), rtol=1e-4, atol=1e-3)
+    together = subspace_factors([z.to(CUDA) for z in zs], 16, gram_dtype=torch.bfloat16)
+    for z, (a, b) in zip(zs, together):
+        a1, b1 = truncated_svd_subspace(z.to(CUDA), 16, gram_dtype=torch.bfloat16)
+        assert relative_error(torch.bmm(a, b), torch.bmm(a1, b1)) < 1e-5
+        ac, bc = truncated_svd_subspace(z, 16, gram_dtype=torch.bfloat16)
+        assert relative_error(torch.bmm(a, b).cpu(), torch.bmm(ac, bc)) < 1e-4
+
+
 def test_bfloat16_kvcmas_chain_runs_on_cuda():
     """bfloat16 weights (the GPU default of serving): anchors, gate and correction keep their dtypes
     consistent; the KV error stays small next to FullShared's."""

@@ -16,10 +16,13 @@ from kvcmas_bench.ops.kvmath import relative_error, shift_keys
 from kvcmas_bench.ops.lowrank import (
     add_shift_into,
     factorize,
+    factorize_many,
     from_rows,
+    gram_matrices,
     operand_rows,
     rotate_rows,
     shift_to_rows,
+    subspace_factors,
     to_rows,
     token_sqnorms,
     truncated_svd,
@@ -190,6 +193,30 @@ def test_subspace_factorization_of_zero_and_rank_deficient_layers_is_exact():
     assert float((torch.bmm(a, b)[1] - z[1]).abs().max()) < 1e-5
 
 
+def test_subspace_orthonormalization_uses_eigh_only_for_degenerate_layers(monkeypatch):
+    """The last orthonormalization: a Cholesky factor for well-conditioned layers, the eigenvectors
+    of ``X^T X`` only for degenerate ones (here an all-zero layer), so a healthy call runs one host
+    ``eigh`` (the Rayleigh-Ritz step) over its layers, and a call with one zero layer one more over
+    that layer alone."""
+    calls = []
+    real = torch.linalg.eigh
+
+    def spy(m, *a, **kw):
+        calls.append(m.shape[0])
+        return real(m, *a, **kw)
+
+    monkeypatch.setattr(torch.linalg, "eigh", spy)
+    z = _known_spectrum(3, 150, 64, [float(30 - i) for i in range(30)], 2)[0].float()
+    truncated_svd_subspace(z, 8)
+    assert calls == [3]
+    calls.clear()
+    z[0] = 0.0
+    a, b = truncated_svd_subspace(z, 8)
+    assert calls == [1, 3]
+    assert float(torch.bmm(a, b)[0].abs().max()) == 0.0
+    assert torch.allclose(torch.bmm(b[1:], b[1:].transpose(1, 2)), torch.eye(8).expand(2, -1, -1), atol=1e-5)
+
+
 def test_subspace_factorization_is_deterministic_and_auto_is_gram_on_the_cpu():
     z = _known_spectrum(2, 150, 64, [float(30 - i) for i in range(30)], 2)[0].float()
     a1, b1 = truncated_svd_subspace(z, 8)
@@ -202,6 +229,77 @@ def test_subspace_factorization_is_deterministic_and_auto_is_gram_on_the_cpu():
         short = z[:, :S]
         best = relative_error(torch.bmm(*truncated_svd(short, 8)), short)
         assert abs(relative_error(torch.bmm(*truncated_svd_subspace(short, 8)), short) / best - 1) < 1e-5
+
+
+def test_subspace_factors_of_several_stacks_equal_each_alone():
+    """An anchor entry's stacks (here three, of two lengths) factorized in one iteration give each
+    stack the factors of its own call: the batched GEMMs and eigenproblems are per matrix and every
+    stack starts from the same seeded block."""
+    zs = [
+        _known_spectrum(2, 150, 64, [float(30 - i) for i in range(30)], 2)[0].float(),
+        _known_spectrum(2, 150, 64, [1000.0] + [float(20 - i) for i in range(20)], 7)[0].float(),
+        _known_spectrum(2, 90, 64, [float(12 - i) for i in range(12)], 8)[0].float(),
+    ]
+    together = subspace_factors(zs, 8)
+    for z, (a, b) in zip(zs, together):
+        a1, b1 = truncated_svd_subspace(z, 8)
+        assert a.shape == a1.shape and b.shape == b1.shape
+        assert torch.allclose(a, a1, atol=1e-5, rtol=1e-5) and torch.allclose(b, b1, atol=1e-6)
+    assert [f[0].shape[1] for f in factorize_many(zs, 8, "subspace")] == [150, 150, 90]
+
+
+def test_bfloat16_gram_matrices_are_those_of_the_rounded_rows():
+    """``gram_matrices(z, bfloat16)``: the Gram matrix of z rounded to bfloat16 (computed here in
+    float64 from the rounded values), not of z itself (values chosen with low mantissa bits that
+    bfloat16 drops: 1 + 2^-10 rounds to 1)."""
+    z = torch.full((1, 3, 2), 1.0 + 2.0**-10)
+    z[0, :, 1] = 3.0
+    assert torch.equal(gram_matrices(z, torch.bfloat16), torch.tensor([[[3.0, 9.0], [9.0, 27.0]]]))
+    assert float(gram_matrices(z)[0, 0, 0]) == pytest.approx(3 * (1 + 2.0**-10) ** 2, rel=1e-7)
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(2, 50, 16, generator=g)
+    zr = z.to(torch.bfloat16).double()
+    assert torch.allclose(gram_matrices(z, torch.bfloat16).double(), zr.transpose(1, 2) @ zr, rtol=1e-6, atol=1e-5)
+
+
+def test_subspace_factorization_with_a_bfloat16_gram_stays_at_the_exact_truncation():
+    """The known spectrum above (best rank-8 error sqrt(3.85 / 383.85) by hand) factorized from the
+    Gram matrix of its bfloat16-rounded rows: the rounding (relative 2^-9 per entry) perturbs the
+    subspace to first order and the error only to second order, so it stays within 1e-3 of the best;
+    ``A = Z V`` still uses the unrounded rows."""
+    top = [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0]
+    z = _known_spectrum(3, 200, 64, top + [1.0 - 0.1 * i for i in range(10)], 0)[0].float()
+    a, b = truncated_svd_subspace(z, 8, gram_dtype=torch.bfloat16)
+    err = relative_error(torch.bmm(a, b), z)
+    assert err >= math.sqrt(3.85 / 383.85) * (1 - 1e-6)
+    assert err / math.sqrt(3.85 / 383.85) - 1 < 1e-3
+    assert not torch.equal(a, truncated_svd_subspace(z, 8)[0])  # the rounded Gram really was used
+
+
+def test_anchor_insertion_factorizes_an_entry_in_one_call_per_rank(monkeypatch):
+    """Pool insertion with svd=subspace: one factorization call for an entry's deltas and bases of one
+    rank (two calls when delta_rank differs), only the deltas when the entry shares another entry's
+    base; the bfloat16 Gram when the factors are stored in bfloat16."""
+    from kvcmas_bench.ops import lowrank
+
+    calls = []
+    real = lowrank.subspace_factors
+
+    def spy(zs, rank, *a, **kw):
+        calls.append((len(zs), rank, kw.get("gram_dtype")))
+        return real(zs, rank, *a, **kw)
+
+    monkeypatch.setattr(lowrank, "subspace_factors", spy)
+    z = [_known_spectrum(2, 60, 40, [float(10 - i) for i in range(10)], i)[0].float() for i in range(4)]
+    pool = AnchorPool(4)
+    pool.add("x", ("src",), z[0], z[1], "B", z[2], z[3], 4, None, "subspace")
+    assert calls == [(4, 4, torch.float32)]
+    pool.add("x", ("src",), z[0], z[1], "C", z[2], z[3], 4, None, "subspace")
+    assert calls[1] == (2, 4, torch.float32)  # the base is B's
+    pool.add("y", ("s2",), z[0], z[1], "B", z[2], z[3], 4, torch.bfloat16, "subspace", delta_rank=2)
+    assert calls[2:] == [(2, 2, torch.bfloat16), (2, 4, torch.bfloat16)]
+    e = pool.anchors[1].entries["B"]
+    assert e.delta_k.rank == 2 and e.base_k.rank == 4 and e.base_v.a.dtype == torch.bfloat16
 
 
 def test_fused_rotation_layout_equals_rotate_then_permute():
@@ -343,26 +441,27 @@ def test_correction_is_written_into_the_request_cache_and_detached_after_the_fir
 def test_subspace_and_gram_factorizations_give_the_same_chain(engine, monkeypatch):
     """KVCMAS at rank 4 on the tiny model's 4-agent chain (48-token question, D = 32 > 4 + 16), once
     with each factorization: the same statuses and first tokens, KV errors equal to 1e-3 relative,
-    and the subspace run really factorized by subspace iteration."""
+    and the subspace run really factorized by subspace iteration, an entry's four stacks (K/V deltas
+    and bases: every chained consumer reads its own source) in one call."""
     from kvcmas_bench.ops import lowrank
 
     from .test_paper_semantics import chain
 
     calls = []
-    real = lowrank.truncated_svd_subspace
+    real = lowrank.subspace_factors
 
-    def spy(z, rank, *a, **kw):
-        calls.append(tuple(z.shape))
-        return real(z, rank, *a, **kw)
+    def spy(zs, rank, *a, **kw):
+        calls.append([tuple(z.shape) for z in zs])
+        return real(zs, rank, *a, **kw)
 
-    monkeypatch.setattr(lowrank, "truncated_svd_subspace", spy)
+    monkeypatch.setattr(lowrank, "subspace_factors", spy)
     runs = {}
     for svd in ("gram", "subspace"):
         m = get_method("kvcmas", anchors=4, rank=4, tau=1.0, svd=svd)
         for seed in (81, 82):
             chain(engine, m, rand_ids(48, seed))
         runs[svd] = chain(engine, m, rand_ids(48, 83), fidelity=True)
-    assert calls and all(s[1] == 48 and s[2] == 32 for s in calls)
+    assert calls and all(len(c) == 4 and all(s[1] == 48 and s[2] == 32 for s in c) for c in calls)
     statuses = [[s.status for s in r.segments] for r in runs["gram"]]
     assert statuses == [[s.status for s in r.segments] for r in runs["subspace"]]
     assert sum(st.count("corrected") for st in statuses) >= 3

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.lowrank import factorize, rotate_rows, row_sqnorms
+from ..ops.lowrank import factorize_many, rotate_rows, row_sqnorms
 
 PARTS = ("base_k", "base_v", "delta_k", "delta_v")
 
@@ -51,12 +51,28 @@ class Factor:
     @classmethod
     def make(cls, z: torch.Tensor, rank: int | None, dtype: torch.dtype | None = None, svd: str = "auto") -> Factor:
         """Full copy (``rank=None``) or rank-``rank`` SVD factors (``svd``: see :func:`factorize`), in ``dtype``."""
-        dtype = dtype or z.dtype
-        if rank is None:
-            return cls(z.to(dtype, copy=True))
-        a, b = factorize(z, rank, svd)
-        a = a.to(dtype)
-        return cls(a, b.to(dtype), row_sqnorms(a))
+        return cls.make_all([(z, rank)], dtype, svd)[0]
+
+    @classmethod
+    def make_all(
+        cls, items: list[tuple[torch.Tensor, int | None]], dtype: torch.dtype | None = None, svd: str = "auto"
+    ) -> list[Factor]:
+        """:meth:`make` of every ``(z, rank)`` pair, those of one rank factorized together
+        (:func:`factorize_many`: one subspace iteration for an entry's K/V deltas and bases, its Gram
+        matrices from bfloat16-rounded rows when the factors are stored in bfloat16)."""
+        out: list[Factor | None] = [None] * len(items)
+        for rank in dict.fromkeys(r for _, r in items):
+            idx = [i for i, (_, r) in enumerate(items) if r == rank]
+            zs = [items[i][0] for i in idx]
+            if rank is None:
+                made = [cls(z.to(dtype or z.dtype, copy=True)) for z in zs]
+            else:
+                dt = dtype or zs[0].dtype
+                pairs = [(a.to(dt), b.to(dt)) for a, b in factorize_many(zs, rank, svd, gram_dtype=dt)]
+                made = [cls(a, b, row_sqnorms(a)) for a, b in pairs]
+            for i, f in zip(idx, made):
+                out[i] = f
+        return out
 
     @property
     def length(self) -> int:
@@ -231,7 +247,6 @@ class AnchorPool:
         already read shares that entry's base factors. ``rank`` factors the base, ``delta_rank`` the
         deltas (None: ``rank``, as the methods' ``delta_rank`` knob; full-dimensional when ``rank`` is)."""
         rd = rank if delta_rank is None else delta_rank
-        dk, dv = Factor.make(delta_k, rd, dtype, svd), Factor.make(delta_v, rd, dtype, svd)
         anchor = self.find(instance)
         if anchor is None:
             if len(self.anchors) >= self.capacity:
@@ -240,10 +255,9 @@ class AnchorPool:
             self.inserted += 1
             self.anchors.append(anchor)
         same = next((e for e in anchor.entries.values() if e.source_key == source_key), None)
-        if same is not None:
-            bk, bv = same.base_k, same.base_v
-        else:
-            bk, bv = Factor.make(base_k, rank, dtype, svd), Factor.make(base_v, rank, dtype, svd)
+        bases = [] if same is not None else [(base_k, rank), (base_v, rank)]
+        dk, dv, *made = Factor.make_all([(delta_k, rd), (delta_v, rd), *bases], dtype, svd)
+        bk, bv = (same.base_k, same.base_v) if same is not None else made
         anchor.entries[consumer] = Entry(bk, bv, dk, dv, source_key)
         return anchor
 
