@@ -720,9 +720,16 @@ def list_methods(
             continue
         row = [name, cls.summary]
         if options:
-            row.append(", ".join(f"{k}={f.default!r}" for k, f in cls.knobs().items()) or "-")
+            row.append(", ".join(_knob_text(k, f) for k, f in cls.knobs().items()) or "-")
         t.add_row(*row)
     out.print(t)
+
+
+def _knob_text(name: str, f) -> str:
+    """``name=default``, with the valid values of a knob that declares them: ``svd='auto' (auto|gram|...)``."""
+    text = f"{name}={f.default!r}"
+    opts = f.metadata.get("choices")
+    return text + f" ({'|'.join('none' if c is None else str(c) for c in opts)})" if opts else text
 
 
 @app.command("engines")

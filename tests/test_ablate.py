@@ -91,6 +91,7 @@ def test_tau_sweep_writes_its_table_and_figures(tau_sweep):
     # every point is an ordinary run directory that records its gate
     cfg = json.loads((tau_sweep / "mmlu" / "kvcmas-scaled-tau0.2" / "config.json").read_text())
     assert cfg["method_config"]["gate_mode"] == "scaled" and cfg["method_config"]["tau"] == 0.2
+    assert cfg["method_config"]["svd"] == "auto" and cfg["method_resolved"] == {"svd": "gram"}  # on the CPU
 
 
 def test_tau_figures_plot_the_table(tau_sweep):

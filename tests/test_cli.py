@@ -44,6 +44,7 @@ def test_run_writes_all_outputs(tiny_model_dir, tmp_path):
     assert rc == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["method"] == "fullshared" and cfg["versions"]["torch"] and "hardware" in cfg
+    assert cfg["method_resolved"] == {}  # FullShared has no per-device choice (KVCMAS: its factorization)
     samples = _lines(out / "samples.jsonl")
     reqs = _lines(out / "requests.jsonl")
     assert len(samples) == 2 and len(reqs) == 8

@@ -322,3 +322,30 @@ def test_the_gate_temperature_default_is_written_once():
     assert not re.findall(r"gate_temperature[^\n]*\b0\.01\b", src)
     assert not re.findall(r"\btemps\b[^\n]*\b0\.01\b", src)
     assert METHODS["kvcmas"].knobs()["gate_temperature"].default == DEFAULT_GATE_TEMPERATURE
+
+
+def test_choice_knobs_list_their_valid_values_and_kvcomm_has_no_factorization():
+    """`methods --options` shows the valid values of the knobs that declare them (the same tuples the
+    validation checks); KVComm's full-dimensional anchors are never factorized, so `svd` is not a
+    KVComm option (as `rank` is not) and `--method-arg svd=...` is refused for it."""
+    from kvcmas_bench.cli import _knob_text
+    from kvcmas_bench.ops.gate import GATES
+    from kvcmas_bench.ops.lowrank import FACTORIZATIONS
+
+    from .conftest import run_cli
+
+    knobs = METHODS["kvcmas"].knobs()
+    assert _knob_text("svd", knobs["svd"]) == "svd='auto' (auto|gram|exact|subspace)"
+    assert knobs["svd"].metadata["choices"] == FACTORIZATIONS and knobs["gate_mode"].metadata["choices"] == GATES
+    assert _knob_text("anchor_dtype", knobs["anchor_dtype"]) == "anchor_dtype=None (none|bfloat16|float16|float32)"
+    assert _knob_text("tau", knobs["tau"]) == "tau=0.3"
+    assert "svd" not in METHODS["kvcomm"].knobs() and "rank" not in METHODS["kvcomm"].knobs()
+    assert run_cli(["run", "--method", "kvcomm", "--method-arg", "svd=gram", "-o", "/nonexistent/x"]) == 2
+    assert run_cli(["run", "--method", "kvcmas", "--method-arg", "svd=qr", "-o", "/nonexistent/x"]) == 2
+
+
+def test_the_resolved_factorization_is_what_auto_means_on_the_device():
+    kvcmas = METHODS["kvcmas"]
+    assert kvcmas().resolved("cpu") == {"svd": "gram"} and kvcmas().resolved("cuda") == {"svd": "subspace"}
+    assert kvcmas(svd="exact").resolved("cuda:0") == {"svd": "exact"}
+    assert METHODS["kvcomm"]().resolved("cuda") == {} and METHODS["nonshared"]().resolved("cpu") == {}

@@ -138,6 +138,11 @@ class Method:
                 raise ValueError(f"{self.name} has no state field {key!r}")
             setattr(self, key, value)
 
+    def resolved(self, device) -> dict:
+        """Knobs whose value "auto" (or similar) stands for a choice made per ``device``: the choice made,
+        recorded beside ``method_config`` (``method_resolved`` in ``config.json``). Default: none."""
+        return {}
+
     def config(self) -> dict:
         """Name and every init field (knobs and settable state), as recorded in ``config.json``."""
         return {"name": self.name, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}}

@@ -14,7 +14,7 @@ stored and corrected in canonical (position-0) coordinates and rotated to the ta
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -25,6 +25,7 @@ from ..ops.kvmath import shift_keys
 from ..ops.lowrank import (
     FACTORIZATIONS,
     add_shift_into,
+    factorization,
     gate_entropy,
     lowrank_apply,
     lowrank_token_sqdist,
@@ -35,6 +36,7 @@ from ..ops.lowrank import (
     sparse_apply,
     token_weights,
 )
+from ..options import ANCHOR_DTYPES
 from .anchors import Anchor, AnchorPool, FactorStack, instance_key, total_layout
 from .base import Method, check, state
 
@@ -61,15 +63,15 @@ class OnlineDeltaCorrection(Method):
     activation_top_p: float = 0.9
     #: storage/GEMM dtype of anchor states: None = the model's dtype; "bfloat16" halves their
     #: memory and runs the gate/weight/apply GEMMs in bf16 (reductions stay in float32)
-    anchor_dtype: str | None = None
+    anchor_dtype: str | None = field(default=None, metadata={"choices": (None, *ANCHOR_DTYPES)})
     #: anchor factorization: "gram" (top eigenvectors of the per-layer Gram matrix: the exact
     #: truncated SVD at a fraction of its cost), "exact" (a full SVD of every layer), "subspace"
     #: (subspace iteration on the Gram matrix: GEMMs only; docs/methods.md gives its measured error),
     #: "auto" (gram on the CPU, subspace on a GPU, where a batched eigh is latency-bound)
-    svd: str = "auto"
+    svd: str = field(default="auto", metadata={"choices": FACTORIZATIONS})
     #: gate scores (``ops/gate.py``): "paper" = raw distances, softmax T = 1 (Eq. 9-10); "scaled" =
     #: relative excess distance over the closest anchor, in units of ``gate_temperature``
-    gate_mode: str = "paper"
+    gate_mode: str = field(default="paper", metadata={"choices": GATES})
     #: scaled gate: the relative distance gap that weighs e times less (two anchors 1% apart: entropy 0.84)
     gate_temperature: float = DEFAULT_GATE_TEMPERATURE
     #: rank r_D of the stored deltas (None: ``rank``); ``rank`` is r_C, the rank of the base caches
@@ -117,7 +119,7 @@ class OnlineDeltaCorrection(Method):
         )
         check(0.0 < self.activation_top_p <= 1.0, f"activation_top_p must lie in (0, 1], got {self.activation_top_p}")
         check(
-            self.anchor_dtype in (None, "bfloat16", "float16", "float32"),
+            self.anchor_dtype is None or self.anchor_dtype in ANCHOR_DTYPES,
             f"--anchor-dtype must be bfloat16, float16 or float32, got {self.anchor_dtype!r}",
         )
         check(self.svd in FACTORIZATIONS, f"svd must be one of {', '.join(FACTORIZATIONS)}, got {self.svd!r}")
@@ -126,6 +128,10 @@ class OnlineDeltaCorrection(Method):
     @classmethod
     def workload_defaults(cls, workload) -> dict:
         return {"tau": workload.default_tau}
+
+    def resolved(self, device) -> dict:
+        """The factorization ``svd`` names on ``device`` (low-rank anchors only: full ones have none)."""
+        return {} if self.rank is None else {"svd": factorization(self.svd, torch.device(device))}
 
     def _count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n

@@ -33,6 +33,8 @@ class KVComm(OnlineDeltaCorrection):
     tau: float = 0.3
     rank: int | None = field(default=None, init=False)
     delta_rank: int | None = field(default=None, init=False)
+    #: full-dimensional anchors are never factorized
+    svd: str = field(default="auto", init=False)
     chained: bool = False
     exact_layer0: bool = True
     #: KVComm applies every compatible anchor, as its code does
