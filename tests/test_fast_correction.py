@@ -217,6 +217,26 @@ def test_subspace_orthonormalization_uses_eigh_only_for_degenerate_layers(monkey
     assert torch.allclose(torch.bmm(b[1:], b[1:].transpose(1, 2)), torch.eye(8).expand(2, -1, -1), atol=1e-5)
 
 
+def test_orthonormalizer_drops_a_nearly_dependent_column_instead_of_amplifying_it():
+    """``X`` with column 5 = column 3 + 1e-9 noise: its Cholesky factorization succeeds with a pivot
+    ~1e-7, so the guard (not the Cholesky's own failure) must send the layer to the eigenvector route,
+    which keeps 7 orthonormal columns and zeroes the eighth; ``R^{-1}`` would amplify the noise by 1e7
+    (orthonormal only to ~eps cond^2 ~ 0.4)."""
+    from kvcmas_bench.ops.lowrank import _orthonormalizer
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 8, generator=g, dtype=torch.float64)
+    x[0, :, 5] = x[0, :, 3] + 1e-9 * torch.randn(64, generator=g, dtype=torch.float64)
+    m = x.transpose(1, 2) @ x
+    assert int(torch.linalg.cholesky_ex(m)[1][0]) == 0  # the factorization itself does not fail
+    q = x @ _orthonormalizer(m)
+    qq = q.transpose(1, 2) @ q
+    assert torch.allclose(qq[1], torch.eye(8, dtype=torch.float64), atol=1e-10)  # the healthy layer
+    norms = qq[0].diagonal()
+    assert int((norms < 1e-12).sum()) == 1 and int(((norms - 1).abs() < 1e-8).sum()) == 7
+    assert torch.allclose(qq[0], torch.diag(norms), atol=1e-8)
+
+
 def test_subspace_factorization_is_deterministic_and_auto_is_gram_on_the_cpu():
     z = _known_spectrum(2, 150, 64, [float(30 - i) for i in range(30)], 2)[0].float()
     a1, b1 = truncated_svd_subspace(z, 8)
@@ -300,6 +320,36 @@ def test_anchor_insertion_factorizes_an_entry_in_one_call_per_rank(monkeypatch):
     assert calls[2:] == [(2, 2, torch.bfloat16), (2, 4, torch.bfloat16)]
     e = pool.anchors[1].entries["B"]
     assert e.delta_k.rank == 2 and e.base_k.rank == 4 and e.base_v.a.dtype == torch.bfloat16
+
+
+def test_a_failed_factorization_leaves_the_pool_as_it_was(monkeypatch):
+    """The factors are computed before the pool changes: a factorization that raises (e.g. out of
+    device memory; the vLLM worker's loop carries on after it) evicts nothing and adds no empty anchor."""
+    from kvcmas_bench.methods import anchors
+
+    z = [_known_spectrum(2, 60, 40, [float(10 - i) for i in range(10)], i)[0].float() for i in range(4)]
+    pool = AnchorPool(1)
+    pool.add("x", ("src",), z[0], z[1], "B", z[2], z[3], 4)
+
+    def boom(*a, **kw):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(anchors, "factorize_many", boom)
+    with pytest.raises(RuntimeError):
+        pool.add("y", ("s2",), z[0], z[1], "B", z[2], z[3], 4)
+    with pytest.raises(RuntimeError):
+        pool.add("x", ("other",), z[0], z[1], "C", z[2], z[3], 4)
+    assert [(a.instance, list(a.entries)) for a in pool.anchors] == [("x", ["B"])]
+    assert pool.evicted == 0 and pool.inserted == 1
+
+
+def test_make_all_keeps_each_stacks_dtype_when_none_is_given():
+    from kvcmas_bench.methods.anchors import Factor
+
+    z = _known_spectrum(2, 60, 40, [float(10 - i) for i in range(10)], 1)[0].float()
+    made = Factor.make_all([(z, 8), (z.bfloat16(), 8), (z.bfloat16(), None)], None, "gram")
+    assert [f.a.dtype for f in made] == [torch.float32, torch.bfloat16, torch.bfloat16]
+    assert [f.b.dtype for f in made[:2]] == [torch.float32, torch.bfloat16] and made[2].b is None
 
 
 def test_fused_rotation_layout_equals_rotate_then_permute():

@@ -260,6 +260,7 @@ def test_small_sweep_writes_summary_requests_and_plots(tmp_path, tiny_lm):
     # without --matched-rho nothing is scheduled: traces saved as before, no rho target
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["matched_rho"] is None and "rho_schedule" not in cfg and cfg["method_args"] == {}
+    assert cfg["method_resolved"]["kvcmas"] == {"svd": "gram"}  # what svd=auto chose on the CPU
     assert all("schedule" not in json.loads(x) for x in (out / "traces.jsonl").read_text().splitlines())
     assert all(r["rho_target"] is None for r in rows) and saved["matched_rho"] is None
     assert not any(seg.get("details", {}).get("gate", "").startswith("scheduled") for s in svc for seg in s["segments"])

@@ -367,6 +367,7 @@ def open_dir(out_dir: Path, config: dict, num_trajectories: int) -> Measured:
             )
         saved = _read_service(service_path)
         config["method_configs"] = dict(old.get("method_configs") or {})
+        config["method_resolved"] = dict(old.get("method_resolved") or {})
     elif service_path.exists():
         service_path.unlink()
     saved = {k: v for k, v in saved.items() if len(v) >= num_trajectories and all(len(tr) == N_AGENTS for tr in v)}
@@ -739,6 +740,9 @@ def serve(
             say(f"{name} @ {s} shared tokens: preparing (calibration / warm-up on {len(cal)} held-out trajectories)")
             m = backend.prepare(spec, cal)
             config.setdefault("method_configs", {})[name] = m.config()
+            dev = str(config.get("device"))
+            dev = dev if dev.startswith(("cpu", "cuda")) else "cpu"
+            config.setdefault("method_resolved", {})[name] = m.resolved(dev)
             res = backend.serve(m, ev, schedules)
             del m
             if res.service is not None:

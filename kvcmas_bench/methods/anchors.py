@@ -61,13 +61,13 @@ class Factor:
         (:func:`factorize_many`: one subspace iteration for an entry's K/V deltas and bases, its Gram
         matrices from bfloat16-rounded rows when the factors are stored in bfloat16)."""
         out: list[Factor | None] = [None] * len(items)
-        for rank in dict.fromkeys(r for _, r in items):
-            idx = [i for i, (_, r) in enumerate(items) if r == rank]
+        keys = [(r, dtype or z.dtype) for z, r in items]  # each stack in ``dtype``, else its own
+        for rank, dt in dict.fromkeys(keys):
+            idx = [i for i, key in enumerate(keys) if key == (rank, dt)]
             zs = [items[i][0] for i in idx]
             if rank is None:
-                made = [cls(z.to(dtype or z.dtype, copy=True)) for z in zs]
+                made = [cls(z.to(dt, copy=True)) for z in zs]
             else:
-                dt = dtype or zs[0].dtype
                 pairs = [(a.to(dt), b.to(dt)) for a, b in factorize_many(zs, rank, svd, gram_dtype=dt)]
                 made = [cls(a, b, row_sqnorms(a)) for a, b in pairs]
             for i, f in zip(idx, made):
@@ -248,16 +248,18 @@ class AnchorPool:
         deltas (None: ``rank``, as the methods' ``delta_rank`` knob; full-dimensional when ``rank`` is)."""
         rd = rank if delta_rank is None else delta_rank
         anchor = self.find(instance)
+        entries = anchor.entries.values() if anchor is not None else ()
+        same = next((e for e in entries if e.source_key == source_key), None)
+        bases = [] if same is not None else [(base_k, rank), (base_v, rank)]
+        # factorized before the pool changes: a failure (e.g. out of device memory) leaves it as it was
+        dk, dv, *made = Factor.make_all([(delta_k, rd), (delta_v, rd), *bases], dtype, svd)
+        bk, bv = (same.base_k, same.base_v) if same is not None else made
         if anchor is None:
             if len(self.anchors) >= self.capacity:
                 self.evict()
             anchor = Anchor(instance, self.inserted)
             self.inserted += 1
             self.anchors.append(anchor)
-        same = next((e for e in anchor.entries.values() if e.source_key == source_key), None)
-        bases = [] if same is not None else [(base_k, rank), (base_v, rank)]
-        dk, dv, *made = Factor.make_all([(delta_k, rd), (delta_v, rd), *bases], dtype, svd)
-        bk, bv = (same.base_k, same.base_v) if same is not None else made
         anchor.entries[consumer] = Entry(bk, bv, dk, dv, source_key)
         return anchor
 
