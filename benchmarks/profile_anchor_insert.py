@@ -2,7 +2,8 @@
 
 No model is loaded: the K/V of one ``--tokens`` segment are synthetic (a decaying spectrum with one
 dominant direction per matrix, the exact cache in bfloat16 as a bf16 model's), so the figures are
-timings only. Prints, medians of ``--repeats`` runs after one untimed run:
+timings only. Prints min / median / max of ``--repeats`` runs after one untimed run (the format of
+every script here):
 
   1. one pool insertion (``KVCMASMethod.insert``: the exact keys rotated to canonical positions, the
      deltas, the rank-32 factors of the K/V deltas and bases) with ``svd=subspace`` and anchors in the
@@ -20,11 +21,10 @@ with smaller shapes (``--device cpu --layers 4 --tokens 1024 --heads 2``), for a
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
-from common import print_header
+from common import Summary, fmt, print_header, spread_verdict, timed
 
 from kvcmas_bench.engine import SegmentKV
 from kvcmas_bench.methods import get_method
@@ -52,16 +52,12 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def timeit(fn) -> tuple[float, float, float]:
-        fn()
+    def now() -> float:
         sync()
-        ts = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts), min(ts), max(ts)
+        return time.perf_counter()
+
+    def timeit(fn) -> Summary:
+        return timed(fn, args.repeats, warmup=1, clock=now)
 
     def spectral(seed: int, dominant: float, decay: float) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed)
@@ -87,22 +83,20 @@ def main() -> None:
         m = get_method("kvcmas", svd=svd, anchor_dtype=anchor_dtype)
         return lambda: m.insert(AnchorPool(10), "x", ("x",), ref_k, ref_v, "B", exact, inv_freq)
 
-    print("1. one pool insertion (medians, min, max)")
+    print("1. one pool insertion")
     for svd, adt in (("subspace", None), ("subspace", "float32"), ("gram", None)):
-        t = timeit(insert(svd, adt))
         name = adt or "the model's (bfloat16)"
-        print(f"  svd={svd}, anchors {name}: {t[0]:.4f} s ({t[1]:.4f} - {t[2]:.4f})")
-    print("2. factorizations")
+        print(f"  svd={svd}, anchors {name}: {fmt(timeit(insert(svd, adt)), digits=4)}")
+    print("2. factorizations (ms)")
     four = [dk, dv, ref_k, ref_v]
     for low in (None, torch.bfloat16):
+        name = "bfloat16" if low else "float32"
         t4 = timeit(lambda low=low: lr.subspace_factors(four, 32, gram_dtype=low))
         t1 = timeit(lambda low=low: lr.truncated_svd_subspace(dk, 32, gram_dtype=low))
         g = timeit(lambda low=low: lr.gram_matrices(dk, low))
-        name = "bfloat16" if low else "float32"
-        print(
-            f"  {name} Gram: four stacks in one iteration {t4[0] * 1e3:.1f} ms, one stack alone {t1[0] * 1e3:.1f} ms, "
-            f"the Gram GEMM of one stack {g[0] * 1e3:.2f} ms"
-        )
+        print(f"  {name} Gram: four stacks in one iteration {fmt(t4.map(lambda x: 1e3 * x), 'ms', 1)}")
+        print(f"  {name} Gram: one stack alone {fmt(t1.map(lambda x: 1e3 * x), 'ms', 1)}")
+        print(f"  {name} Gram: the Gram GEMM of one stack {fmt(g.map(lambda x: 1e3 * x), 'ms', 2)}")
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
@@ -118,6 +112,7 @@ def main() -> None:
         print(ev.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=40))
     print(ev.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=40))
     print(f"  operator calls: {sum(e.count for e in ev)}")
+    print(f"\n{spread_verdict()}")
 
 
 if __name__ == "__main__":
