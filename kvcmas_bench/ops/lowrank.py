@@ -175,7 +175,8 @@ def subspace_factors(
     in one batch, each with the same seeded start as alone, so every stack gets the factors of its
     own call (the batched GEMMs and the host's eigenproblems are per matrix) with a quarter of the
     kernel launches for four. Why: on an H200 the iteration's small kernels were launch-bound (four
-    separate factorizations of the 8B shape: 118 ms of host dispatch for 44 ms of device work)."""
+    separate factorizations of the 8B shape: 118 ms of host time under the profiler for 44 ms of device
+    work)."""
     L, _, D = zs[0].shape
     r = min(rank, D)
     k = r + oversample
