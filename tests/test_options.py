@@ -338,6 +338,7 @@ def test_choice_knobs_list_their_valid_values_and_kvcomm_has_no_factorization():
     assert _knob_text("svd", knobs["svd"]) == "svd='auto' (auto|gram|exact|subspace)"
     assert knobs["svd"].metadata["choices"] == FACTORIZATIONS and knobs["gate_mode"].metadata["choices"] == GATES
     assert _knob_text("anchor_dtype", knobs["anchor_dtype"]) == "anchor_dtype=None (none|bfloat16|float16|float32)"
+    assert knobs["anchor_dtype"].metadata["choices"] == (None, *options.ANCHOR_DTYPES)
     assert _knob_text("tau", knobs["tau"]) == "tau=0.3"
     assert "svd" not in METHODS["kvcomm"].knobs() and "rank" not in METHODS["kvcomm"].knobs()
     assert run_cli(["run", "--method", "kvcomm", "--method-arg", "svd=gram", "-o", "/nonexistent/x"]) == 2

@@ -36,9 +36,12 @@ from ..ops.lowrank import (
     sparse_apply,
     token_weights,
 )
-from ..options import ANCHOR_DTYPES
 from .anchors import Anchor, AnchorPool, FactorStack, instance_key, total_layout
 from .base import Method, check, state
+
+#: ``anchor_dtype`` values besides None (the model's dtype); the CLI's ``--anchor-dtype`` help lists
+#: the same (``options.ANCHOR_DTYPES``, a module that imports no method; tests/test_options.py ties them)
+ANCHOR_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass
