@@ -342,8 +342,14 @@ def sweep_config(
         "server": backend.server,
         "agents": [a.name for a in traces[0].agents],
         "topology": f"chain of {N_AGENTS} agents",
-        **provenance(device if device.startswith(("cpu", "cuda")) else "cpu"),
+        **provenance(_torch_device(device)),
     }
+
+
+def _torch_device(described: str) -> str:
+    """The torch device an engine's described ``device`` names (an engine that reports something else,
+    such as a server's own label, counts as the CPU)."""
+    return described if described.startswith(("cpu", "cuda")) else "cpu"
 
 
 def open_dir(out_dir: Path, config: dict, num_trajectories: int) -> Measured:
@@ -740,9 +746,7 @@ def serve(
             say(f"{name} @ {s} shared tokens: preparing (calibration / warm-up on {len(cal)} held-out trajectories)")
             m = backend.prepare(spec, cal)
             config.setdefault("method_configs", {})[name] = m.config()
-            dev = str(config.get("device"))
-            dev = dev if dev.startswith(("cpu", "cuda")) else "cpu"
-            config.setdefault("method_resolved", {})[name] = m.resolved(dev)
+            config.setdefault("method_resolved", {})[name] = m.resolved(_torch_device(str(config.get("device"))))
             res = backend.serve(m, ev, schedules)
             del m
             if res.service is not None:

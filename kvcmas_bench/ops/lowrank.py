@@ -70,8 +70,7 @@ def truncated_svd_gram(z: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.
         return truncated_svd(z, rank)
     r = min(rank, D)
     zf = z.float()
-    gram = torch.bmm(zf.transpose(1, 2), zf)
-    _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+    _, vecs = torch.linalg.eigh(gram_matrices(zf))  # ascending eigenvalues
     v = vecs[..., -r:].flip(-1)  # [L, D, r], largest first
     a = torch.bmm(zf, v)
     return a.to(z.dtype).contiguous(), v.transpose(1, 2).to(z.dtype).contiguous()
