@@ -51,14 +51,31 @@ class _FlashStyle:
             cache[1, b, o] = value[t]
 
 
+class _PackedStyle:
+    """vLLM's old paged-attention keys ``[blocks, H, D / x, bs, x]`` (x = 8: not affine in the dim, whose
+    steps are 1 within a pack and ``bs * x`` between packs); values ``[blocks, H, D, bs]``. One tensor
+    ``[blocks, H, 2, D * bs]`` here, K first."""
+
+    def do_kv_cache_update(self, layer, key, value, cache, slots):
+        nb, H, _, n = cache.shape
+        D = key.shape[-1]
+        bs, x = n // D, 8
+        for t, s in enumerate(slots.tolist()):
+            b, o = divmod(s, bs)
+            cache[b, :, 0].view(H, D // x, bs, x)[:, :, o, :] = key[t].view(H, D // x, x)
+            cache[b, :, 1].view(H, D, bs)[:, :, o] = value[t]
+
+
 class _Layer:
     def __init__(self, impl):
         self.impl = impl
 
 
-@pytest.mark.parametrize("style", ["cpu", "flash", "flash-permuted"])
+@pytest.mark.parametrize("style", ["cpu", "flash", "flash-permuted", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layout_adapter_probes_any_layout_with_the_engines_own_write(style, dtype):
+    """Every layout reads and writes exactly where the engine's op does: the affine ones through
+    strided views, the packed one (not affine) through flat offsets."""
     from kvcmas_bench.serving.vllm.layout import KVLayout, slots_of
 
     nb, H, bs, D = 5, 2, 32, 64
@@ -66,10 +83,13 @@ def test_layout_adapter_probes_any_layout_with_the_engines_own_write(style, dtyp
         impl, cache = _CPUStyle(), torch.zeros(nb, H, bs, 2 * D, dtype=dtype)
     elif style == "flash":
         impl, cache = _FlashStyle(), torch.zeros(2, nb, bs, H, D, dtype=dtype)
+    elif style == "packed":
+        impl, cache = _PackedStyle(), torch.zeros(nb, H, 2, D * bs, dtype=dtype)
     else:  # the same logical shape stored head-major (a permuted view, as some backends allocate)
         impl, cache = _FlashStyle(), torch.zeros(2, nb, H, bs, D, dtype=dtype).permute(0, 1, 3, 2, 4)
     layer = _Layer(impl)
     lay = KVLayout(cache, layer, bs, nb, H, D)
+    assert lay.strided == (style != "packed")
     blocks = [3, 1, 4]
     slots = slots_of(blocks, 5, 70, bs)
     k = torch.randn(len(slots), H, D).to(dtype)

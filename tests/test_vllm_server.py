@@ -525,8 +525,10 @@ def test_records_carry_every_segment_and_trajectory_state_is_freed(srv):
     last = [r for r in recs if r.step == len(trs[0].agents) - 1]
     assert 0 < fig["trajectory_bytes_at_completion_max"] <= max(r.shared_store_bytes for r in last)
     assert fig["held_peak_bytes"] >= fig["trajectory_bytes_at_completion_max"]
+    assert fig["kv_cache_access"] == "strided"  # vLLM's CPU layout is affine: no per-element offsets
     point = srv.point_reports[-1]  # kept per QPS point, in the sweep's config.json
     assert point["method"] == "kvcmas" and point["qps"] == 4.0 and point["shared_tokens"] == trs[0].shared_tokens
+    assert point["kv_cache_access"] == "strided"
     assert point["held_peak_bytes"] == fig["held_peak_bytes"] and srv.describe()["worker_reports"][-1] == point
 
 

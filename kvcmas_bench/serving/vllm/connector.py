@@ -311,6 +311,8 @@ class KVCMASConnector(KVConnectorBase_V1):
                     mc.get_head_size(),
                 )
             self._layouts[name] = lay
+            if RUNTIME is not None:
+                RUNTIME.kv_access[name] = "strided" if lay.strided else "flat"
         return lay
 
     def bind_connector_metadata(self, connector_metadata) -> None:

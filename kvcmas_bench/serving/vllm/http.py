@@ -633,9 +633,10 @@ class HTTPBackend(ServedModel):
 
 def point_report(method: str, traces: Sequence[Trace], qps, session: dict) -> dict:
     """One QPS point's worker figures (scalars of the session report: memory held and its peak, the
-    bytes per trajectory at completion, trajectories still live, requests held for a plan)."""
+    bytes per trajectory at completion, trajectories still live, requests held for a plan, how the
+    connector reaches the paged cache)."""
     shared = sorted({t.shared_tokens for t in traces})
-    figures = {k: v for k, v in session.items() if v is None or isinstance(v, (int, float))}
+    figures = {k: v for k, v in session.items() if v is None or isinstance(v, (int, float, str))}
     return {"method": method, "shared_tokens": shared[0] if len(shared) == 1 else shared, "qps": qps, **figures}
 
 

@@ -7,8 +7,12 @@ orders), so it is never hard-coded: :class:`KVLayout` probes it once per layer w
 own cache-write op (``impl.do_kv_cache_update``, what vLLM itself calls before attention) on a
 one-block scratch tensor that has the real tensor's shape and stride order. Coded keys and values
 (token, head and dim codes; K positive, V negative) reveal every element's position; the map is
-then checked by a round trip of random values. Reads and writes go through flat element offsets
-of the real tensor (``index_select`` / ``index_put_``), valid for any dense stride order.
+then checked by a round trip of random values. Where the probed offsets are affine in (token, head,
+dim), as in vLLM's CPU backend (keys transposed inside a block) and in the token-major layouts of
+its flash-attention backends, reads and writes index a strided ``[blocks, block_size, heads, dim]`` view of the tensor by
+(block, offset): one index per token, each moving a ``[heads, dim]`` tile. Otherwise they go through
+flat element offsets (one int64 index per element, valid for any dense stride order), 4-13x slower
+on a CPU (2K tokens x 30 layers of SmolLM2's shape: 0.07-0.13 s a direction against 0.008-0.02 s).
 
 Keys are stored after RoPE at the token's absolute position, exactly as vLLM wrote them; the
 harness's ``SegmentKV`` keys are post-RoPE too, so no conversion happens here.
@@ -59,6 +63,8 @@ class KVLayout:
         self._inner_cache: dict = {}
         self.k_pos, self.v_pos = self._probe(cache, layer)
         self._check(cache, layer)
+        #: reads and writes of ``cache`` go through strided views (see the module docstring)
+        self.strided = self._views(cache) is not None
 
     # ---- probing -------------------------------------------------------------------------------
     def _scratch(self, cache: torch.Tensor) -> torch.Tensor:
@@ -113,19 +119,30 @@ class KVLayout:
             raise BenchError("KV layout probe: read-back of vLLM's cache write does not match")
 
     # ---- access --------------------------------------------------------------------------------
-    def _inner(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Flat offsets ``[bs, H, D]`` of K and V inside block 0 of ``t``, and ``t``'s block stride."""
+    def _inner(self, t: torch.Tensor) -> tuple:
+        """Flat offsets ``[bs, H, D]`` of K and V inside block 0 of ``t``, ``t``'s block stride, and the
+        offsets' affine form per part (:func:`_affine`; None when they have none)."""
         key = tuple(t.stride())
         got = self._inner_cache.get(key)
         if got is None:
             strides = torch.as_tensor(t.stride(), dtype=torch.long, device=self.k_pos.device)
-            got = ((self.k_pos * strides).sum(-1), (self.v_pos * strides).sum(-1), t.stride(self.block_dim))
+            k_in, v_in = (self.k_pos * strides).sum(-1), (self.v_pos * strides).sum(-1)
+            got = (k_in, v_in, t.stride(self.block_dim), _affine(k_in), _affine(v_in))
             self._inner_cache[key] = got
         return got
 
+    def _views(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K and V of ``t`` as strided ``[blocks, block_size, H, D]`` views, or None where the layout
+        is not affine in (token, head, dim)."""
+        _, _, bstride, ka, va = self._inner(t)
+        if ka is None or va is None:
+            return None
+        shape = (t.shape[self.block_dim], self.block_size, self.kv_heads, self.head_dim)
+        return tuple(t.as_strided(shape, (bstride, *steps), t.storage_offset() + origin) for origin, steps in (ka, va))
+
     def offsets(self, t: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat element offsets ``[T, H, D]`` of K and V of ``slots`` in the tensor ``t``."""
-        k_in, v_in, bstride = self._inner(t)
+        k_in, v_in, bstride, _, _ = self._inner(t)
         slots = slots.to(k_in.device, torch.long)
         base = (slots // self.block_size * bstride)[:, None, None]
         off = slots % self.block_size
@@ -137,16 +154,45 @@ class KVLayout:
 
     def read(self, cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[T, H, D]`` of ``slots`` (copies)."""
+        views = self._views(cache)
+        if views is not None:
+            b, o = self._block_offset(slots, cache.device)
+            return views[0][b, o], views[1][b, o]
         ko, vo = self.offsets(cache, slots)
         flat = self._flat(cache)
         return flat[ko], flat[vo]
 
     def write(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K and V ``[T, H, D]`` at ``slots``."""
+        views = self._views(cache)
+        if views is not None:
+            b, o = self._block_offset(slots, cache.device)
+            views[0][b, o] = k.to(cache.dtype)
+            views[1][b, o] = v.to(cache.dtype)
+            return
         ko, vo = self.offsets(cache, slots)
         flat = self._flat(cache)
         flat[ko] = k.to(cache.dtype)
         flat[vo] = v.to(cache.dtype)
+
+    def _block_offset(self, slots: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = slots.to(device, torch.long)
+        return slots // self.block_size, slots % self.block_size
+
+
+def _affine(off: torch.Tensor) -> tuple[int, tuple[int, int, int]] | None:
+    """``(origin, (token, head, dim) steps)`` when ``off[t, h, d] == origin + t*st + h*sh + d*sd`` for
+    every element with steps >= 0 (a strided view can express it), else None."""
+    bs, H, D = off.shape
+    origin = int(off[0, 0, 0])
+    steps = tuple(
+        int(off[tuple(1 if j == i else 0 for j in range(3))]) - origin if n > 1 else 0 for i, n in enumerate((bs, H, D))
+    )
+    if min(steps) < 0:
+        return None
+    grid = torch.meshgrid(*(torch.arange(n, device=off.device) for n in (bs, H, D)), indexing="ij")
+    expected = origin + sum(g * st for g, st in zip(grid, steps))
+    return (origin, steps) if torch.equal(expected, off) else None
 
 
 def slots_of(block_ids: list[int], start: int, end: int, block_size: int) -> torch.Tensor:

@@ -319,6 +319,9 @@ class WorkerRuntime:
         self.cpu_by_kind: dict[str, float] = {}
         #: the most :meth:`held_bytes` since the previous report (:meth:`_note_held`)
         self.held_peak = 0
+        #: how the connector reaches each layer's paged cache: "strided" views or "flat" offsets
+        #: (:class:`~.layout.KVLayout`), by layer name
+        self.kv_access: dict[str, str] = {}
         #: MKL's threads for the method thread (:func:`limit_blas_threads`; None: no MKL)
         self.blas_threads: int | None = None
         self._thread = threading.Thread(target=self._loop, name="kvcmas-method-work", daemon=True)
@@ -586,6 +589,8 @@ class WorkerRuntime:
                 # and the method thread's CPU seconds of the same jobs, as method_cpu_<kind>_s
                 **{f"method_cpu_{k}_s": v for k, v in self.cpu_by_kind.items()},
                 "method_thread_blas_threads": self.blas_threads,
+                # "strided", "flat" or "flat,strided" (some layers each; a scalar: point reports keep it)
+                "kv_cache_access": ",".join(sorted(set(self.kv_access.values()))) or None,
             }
             layout = getattr(sess.method, "state_layout", None)
             if callable(layout):
