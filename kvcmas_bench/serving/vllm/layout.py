@@ -9,10 +9,11 @@ one-block scratch tensor that has the real tensor's shape and stride order. Code
 (token, head and dim codes; K positive, V negative) reveal every element's position; the map is
 then checked by a round trip of random values. Where the probed offsets are affine in (token, head,
 dim), as in vLLM's CPU backend (keys transposed inside a block) and in the token-major layouts of
-its flash-attention backends, reads and writes index a strided ``[blocks, block_size, heads, dim]`` view of the tensor by
-(block, offset): one index per token, each moving a ``[heads, dim]`` tile. Otherwise they go through
-flat element offsets (one int64 index per element, valid for any dense stride order), 4-13x slower
-on a CPU (2K tokens x 30 layers of SmolLM2's shape: 0.07-0.13 s a direction against 0.008-0.02 s).
+its flash-attention backends, reads and writes index a strided ``[blocks, block_size, heads, dim]``
+view of the tensor by (block, offset): one index per token, each moving a ``[heads, dim]`` tile.
+Otherwise they go through flat element offsets (one int64 index per element, valid for any dense
+stride order), 4-13x slower on a CPU (2K tokens x 30 layers of SmolLM2's shape: 0.07-0.13 s a
+direction against 0.008-0.02 s).
 
 Keys are stored after RoPE at the token's absolute position, exactly as vLLM wrote them; the
 harness's ``SegmentKV`` keys are post-RoPE too, so no conversion happens here.
