@@ -144,9 +144,8 @@ class KVLayout:
     def offsets(self, t: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat element offsets ``[T, H, D]`` of K and V of ``slots`` in the tensor ``t``."""
         k_in, v_in, bstride, _, _ = self._inner(t)
-        slots = slots.to(k_in.device, torch.long)
-        base = (slots // self.block_size * bstride)[:, None, None]
-        off = slots % self.block_size
+        block, off = self._block_offset(slots, k_in.device)
+        base = (block * bstride)[:, None, None]
         return base + k_in[off], base + v_in[off]
 
     @staticmethod
@@ -177,6 +176,7 @@ class KVLayout:
         flat[vo] = v.to(cache.dtype)
 
     def _block_offset(self, slots: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each slot's block and offset in it, on ``device``."""
         slots = slots.to(device, torch.long)
         return slots // self.block_size, slots % self.block_size
 
