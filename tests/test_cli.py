@@ -125,7 +125,7 @@ def test_bad_input_one_line_exit_2(args, needle):
     assert needle in lines[0] and "Traceback" not in proc.stderr
 
 
-def test_resume_refuses_other_config(tiny_model_dir, tmp_path):
+def test_resume_refuses_other_config(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     base = [
         "run",
@@ -143,7 +143,10 @@ def test_resume_refuses_other_config(tiny_model_dir, tmp_path):
         str(out),
     ]
     assert _run(base) == 0
+    capsys.readouterr()
     assert _run([*base[:1], "--method", "fullshared", *base[1:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a run with a different method" in err and "'fullshared'" in err and "\n" not in err
 
 
 def test_list_commands(capsys):

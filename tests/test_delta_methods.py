@@ -12,7 +12,15 @@ from kvcmas_bench.engine import Request, Segment
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import AnchorPool
 from kvcmas_bench.ops.kvmath import relative_error
-from kvcmas_bench.ops.lowrank import gate_entropy, lowrank_sqdist, to_rows, truncated_svd
+from kvcmas_bench.ops.lowrank import (
+    gate_entropy,
+    lowrank_apply,
+    lowrank_sqdist,
+    lowrank_token_sqdist,
+    row_sqnorms,
+    to_rows,
+    truncated_svd,
+)
 
 from .conftest import rand_ids
 from .slow_reference import token_sqdist, weighted_lowrank
@@ -51,6 +59,9 @@ def test_weighted_lowrank_is_the_weighted_sum():
     a, b, w = torch.randn(3, 2, 7, 4), torch.randn(3, 2, 4, 6), torch.softmax(torch.randn(3, 7), 0)
     ref = sum(w[v][None, :, None] * torch.bmm(a[v], b[v]) for v in range(3))
     assert torch.allclose(weighted_lowrank(w, a, b), ref, atol=1e-5)
+    # the package's apply: per-anchor A factors, every B stacked along the rank
+    b_all = b.permute(1, 0, 2, 3).reshape(2, 3 * 4, 6)
+    assert torch.allclose(lowrank_apply(w, list(a), b_all, [4, 4, 4]), ref, atol=1e-5)
 
 
 def test_gate_entropy_peaked_accepted_flat_rejected():
@@ -78,11 +89,17 @@ def test_gate_needs_two_compatible_anchors():
     assert m.gate(_fake_pool(10, 1), "B", torch.zeros(2, 8, 6), 8) is None
     assert m.gate(_fake_pool(10, 2), "B", torch.zeros(2, 8, 6), 8) is not None
     assert m.gate(_fake_pool(10, 2), "C", torch.zeros(2, 8, 6), 8) is None  # no delta for consumer C
-    m.tau = 0.0
-    # both anchors at the same distance: flat -> rejected even with two anchors
+    m.tau = 0.5
+    # distances 0 and sqrt(2 * 8 * 6) = 9.80: g = (1 - e, e) with e = 5.6e-5, entropy ~1e-3 -> accepted
+    details = {}
+    assert m.gate(_fake_pool(10, 2), "B", torch.zeros(2, 8, 6), 8, details) is not None
+    assert details["gate"] == "accepted" and details["entropy"] < 2e-3
+    # both anchors at the same distance: flat (entropy 1) -> rejected even with two anchors
     pool = _fake_pool(10, 2)
     pool.anchors[1].entries["B"].base_v = pool.anchors[0].entries["B"].base_v
-    assert m.gate(pool, "B", torch.zeros(2, 8, 6), 8) is None
+    details = {}
+    assert m.gate(pool, "B", torch.zeros(2, 8, 6), 8, details) is None
+    assert details["gate"] == "rejected" and abs(details["entropy"] - 1.0) < 1e-9
 
 
 def test_eviction_is_lfu_among_five_oldest():
@@ -230,6 +247,11 @@ def test_token_sqdist_matches_reconstruction():
     assert torch.allclose(torch.matmul(fb, fb.transpose(-1, -2)), torch.eye(5).expand(3, 4, 5, 5), atol=1e-5)
     ref2 = torch.stack([(x - torch.bmm(fa[v], fb[v])).square().sum(dim=(0, 2)) for v in range(3)])
     assert torch.allclose(token_sqdist(x, fa, fb), ref2, rtol=1e-4, atol=1e-3)
+    # the package's distances: one GEMM with every B^T side by side, then each anchor's A rows
+    b_t = fb.permute(1, 0, 2, 3).reshape(4, 3 * 5, 16).transpose(1, 2).contiguous()
+    x_sq, a_sq = x.square().sum(dim=(0, 2)), [row_sqnorms(fa[v]) for v in range(3)]
+    got2 = lowrank_token_sqdist(x, x_sq, list(fa), a_sq, b_t, [5, 5, 5])
+    assert torch.allclose(got2, ref2, rtol=1e-4, atol=1e-3)
     assert torch.allclose(got.sum(1), torch.stack([lowrank_sqdist(x, a[v], b[v]) for v in range(3)]), rtol=1e-4)
 
 

@@ -94,11 +94,13 @@ def test_arrival_times_start_at_zero_and_qps0_is_single_stream():
         arrival_times(3, 1.0, burstiness=0)
 
 
-def test_percentiles_equal_numpy():
-    rng = np.random.default_rng(0)
-    data = rng.exponential(size=37).tolist()
-    for q in (50, 90, 99):
-        assert percentile(data, q) == float(np.percentile(data, q))
+def test_percentiles_interpolate_linearly():
+    """Worked by hand: the q-th percentile of n sorted values sits at rank (n - 1) q / 100,
+    interpolated linearly between its neighbours (numpy's default, as ``vllm bench serve`` uses)."""
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)  # rank 1.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)  # rank 2.7
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 99) == pytest.approx(4.96)  # rank 3.96
+    assert percentile([7.0], 90) == 7.0
     assert percentile([], 50) is None
 
 

@@ -249,6 +249,11 @@ def test_trajectory_records_each_step_once_as_request_records_would():
     Client(_FakeEngine(clock), rt, clock=clock, sleep=clock.sleep).serve(runs, None)
     timeline = ("qps", "arrival_s", "start_s", "first_token_s", "completion_s", "queue_s")
     for run in runs:
+        # by hand: agent a's prompt is sys 3 + ctx 8 + a x (glue 1 + output 3) + tail 2 tokens, all prefilled
+        assert [(r.step, r.agent, r.trajectory) for r in run.records] == [(a, f"A{a}", run.id) for a in range(4)]
+        assert [r.prompt_tokens for r in run.records] == [13, 17, 21, 25]
+        assert [r.prefilled_tokens for r in run.records] == [13, 17, 21, 25]
+        assert all(r.reused_tokens == 0 and r.output_tokens == 3 for r in run.records)
         again = request_records(UnitRun(run.id, run.steps), rt.facts.n_layers, trajectory=run.id)
         assert len(run.records) == len(again) == 4
         for rec, ref in zip(run.records, again):
