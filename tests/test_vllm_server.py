@@ -564,15 +564,28 @@ def test_method_work_does_not_stall_a_co_running_stream(srv):
             during()
         th.join()
         d = [b - a for a, b in zip(stamps, stamps[1:])]
-        return statistics.median(d), max(d)
+        return statistics.median(d), max(d), stamps
 
     alone = gaps()
     m = srv.prepare(_spec("kvcmas", rank=16), [])
     trs = _traces(srv, 2, ctx=256, seed=13)
-    loaded = gaps(lambda: srv.serve(m, trs, {8.0: [0.0, 0.0]}))
+    window = []
+
+    def serve():
+        t0 = time.perf_counter()
+        srv.serve(m, trs, {8.0: [0.0, 0.0]})
+        window.extend([t0, time.perf_counter()])
+
+    loaded = gaps(serve)
     ratio = loaded[0] / alone[0]
-    print(f"TTNT median alone {alone[0] * 1e3:.1f} ms, with method work {loaded[0] * 1e3:.1f} ms: ratio {ratio:.2f}")
-    assert loaded[1] < 5.0  # never a stall of a whole trajectory's work
+    serve_s = window[1] - window[0]
+    inside = [t for t in loaded[2] if window[0] <= t <= window[1]]
+    print(
+        f"TTNT median alone {alone[0] * 1e3:.1f} ms, with method work {loaded[0] * 1e3:.1f} ms: ratio {ratio:.2f}; "
+        f"largest gap {loaded[1]:.3f} s, {len(inside)} tokens streamed during the {serve_s:.2f} s serve"
+    )
+    assert len(inside) >= 3  # the two ran at the same time: the stream kept going while KVCMAS was served
+    assert loaded[1] < 0.5 * serve_s  # never a stall of (most of) the trajectories' work
 
 
 @needs_vllm
