@@ -532,37 +532,45 @@ def test_records_carry_every_segment_and_trajectory_state_is_freed(srv):
     assert point["held_peak_bytes"] == fig["held_peak_bytes"] and srv.describe()["worker_reports"][-1] == point
 
 
+#: a streaming client in its own process: its arrival stamps (``time.monotonic``, system-wide on
+#: Linux) cannot be delayed by the test process's own Python work (the harness client holds its GIL)
+_STREAM_READER = """
+import http.client, sys, time
+c = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]), timeout=600)
+c.request("POST", "/v1/completions", sys.argv[3], {"Content-Type": "application/json"})
+r = c.getresponse()
+while True:
+    line = r.readline()
+    if not line or line.strip() == b"data: [DONE]":
+        break
+    if line.startswith(b"data: "):
+        print(time.monotonic(), flush=True)
+"""
+
+
 @needs_vllm
 def test_method_work_does_not_stall_a_co_running_stream(srv):
     """Time-to-next-token of a long plain stream, alone and while KVCMAS requests are planned and
     their anchors factorized in the worker's background thread: printed as a ratio. The engine
-    keeps stepping (the stream never waits for a whole trajectory's method work)."""
+    keeps stepping (the stream never waits for a whole trajectory's method work). The stream is
+    read by another process, so what is timed is the server's delivery."""
+    import subprocess
+    import sys
+    from urllib.parse import urlparse
+
     long_prompt = list(range(5, 69))
+    url = urlparse(srv.base_url)
 
     def gaps(during=None):
-        stamps = []
-        done = threading.Event()
-
-        def stream():
-            body = srv._body(long_prompt, 300, None, salt=f"ttnt-{time.perf_counter()}")
-            c = srv.http._conn()
-            headers = {"Content-Type": "application/json"}
-            c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), headers)
-            r = c.getresponse()
-            while True:
-                line = r.readline()
-                if not line or line.strip() == b"data: [DONE]":
-                    break
-                if line.startswith(b"data: "):
-                    stamps.append(time.perf_counter())
-            done.set()
-
-        th = threading.Thread(target=stream)
-        th.start()
+        body = srv._body(long_prompt, 300, None, salt=f"ttnt-{time.perf_counter()}")
+        args = [sys.executable, "-c", _STREAM_READER, url.hostname, str(url.port), json.dumps({**body, "stream": True})]
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         if during is not None:
-            time.sleep(0.05)
+            time.sleep(0.3)
             during()
-        th.join()
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0
+        stamps = [float(x) for x in out.split()]
         d = [b - a for a, b in zip(stamps, stamps[1:])]
         return statistics.median(d), max(d), stamps
 
@@ -572,9 +580,9 @@ def test_method_work_does_not_stall_a_co_running_stream(srv):
     window = []
 
     def serve():
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         srv.serve(m, trs, {8.0: [0.0, 0.0]})
-        window.extend([t0, time.perf_counter()])
+        window.extend([t0, time.monotonic()])
 
     loaded = gaps(serve)
     ratio = loaded[0] / alone[0]
