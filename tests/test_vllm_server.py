@@ -13,8 +13,11 @@ import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
+from urllib.parse import urlparse
 
 import pytest
 import torch
@@ -554,10 +557,6 @@ def test_method_work_does_not_stall_a_co_running_stream(srv):
     their anchors factorized in the worker's background thread: printed as a ratio. The engine
     keeps stepping (the stream never waits for a whole trajectory's method work). The stream is
     read by another process, so what is timed is the server's delivery."""
-    import subprocess
-    import sys
-    from urllib.parse import urlparse
-
     long_prompt = list(range(5, 69))
     url = urlparse(srv.base_url)
 
