@@ -211,11 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             results = report(console, r, lengths, methods)
             memory = worker_memory(console, r, lengths, methods)
             thread = method_thread(console, r, lengths, methods)
+            clocks = client_vs_server(console, r, lengths, methods)
         except BenchError as exc:
             print(f"serve_sweep_vllm: error: {exc}", file=sys.stderr)
             return 2
         write_comparison(
-            r / "comparison.json", argv, {"results": results, "worker_memory": memory, "method_thread": thread}
+            r / "comparison.json",
+            argv,
+            {"results": results, "worker_memory": memory, "method_thread": thread, "client_vs_server_ttft": clocks},
         )
         every.append(results)
     if len(roots) > 1:
@@ -337,6 +340,37 @@ def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -
                 f"{fig['per_request_s']:.3f} s per request{f' ({split})' if split else ''}, "
                 f"{_fmt(fig['busy_share'], '.0%')} of the makespan; "
                 f"plan wait {_fmt(fig['plan_wait_p50_s'], '.3f')} / {_fmt(fig['plan_wait_p90_s'], '.3f')} s"
+            )
+    return out
+
+
+def client_vs_server(console, root: Path, lengths: list[int], methods: list[str]) -> dict:
+    """Per shared length, method and QPS point, the client's mean TTFT from sending a request to
+    its first streamed token beside vLLM's own mean (its ``time_to_first_token_seconds`` histogram
+    over the point, from ``/metrics``), and their difference: what the HTTP hop, the frontend's
+    hand-offs and the client's reading add to the client's figure. "-" where the server counted
+    other requests in the point too (context-free reference captures) or had no ``/metrics``."""
+    console.print(
+        "Client vs server TTFT at each QPS point: mean send-to-first-token on the client, vLLM's own mean "
+        "(/metrics), and their difference"
+    )
+    out: dict = {}
+    for s in lengths:
+        cfg_path, points = worker_reports(root, s)
+        if not points or all(p.get("client_ttft_mean_s") is None for p in points):
+            console.print(f"  {s:>5} shared: no client/server TTFT figures in {cfg_path}")
+            continue
+        for p in points:
+            if p["method"] not in methods or "client_ttft_mean_s" not in p:
+                continue
+            fig = {k: p.get(k) for k in ("client_ttft_mean_s", "server_ttft_mean_s", "server_ttft_count")}
+            fig["client_minus_server_s"] = p.get("client_minus_server_ttft_s")
+            out.setdefault(str(s), {}).setdefault(p["method"], {})[str(p["qps"])] = fig
+            qps = "0 (single)" if not p["qps"] else f"{p['qps']:.3g}"
+            console.print(
+                f"  {s:>5} shared, {p['method']:<12} QPS {qps}: client {_fmt(fig['client_ttft_mean_s'], '.3f')} s, "
+                f"server {_fmt(fig['server_ttft_mean_s'], '.3f')} s ({fig['server_ttft_count']} requests), "
+                f"difference {_fmt(fig['client_minus_server_s'], '.4f')} s"
             )
     return out
 

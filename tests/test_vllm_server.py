@@ -307,6 +307,42 @@ def test_request_metadata_round_trips_into_the_same_request():
         request_from(meta["kvcmas"], req.prompt_ids + [7])
 
 
+def test_server_ttft_is_read_from_vllms_histogram_and_set_beside_the_clients():
+    from kvcmas_bench.serving.vllm.http import AgentSent, Streamed, histogram_totals, ttft_cross_check
+
+    name = "vllm:time_to_first_token_seconds"
+    text = "\n".join(
+        [
+            "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+            'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="m"} 3.0',
+            'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 4.0',
+            'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 1.25',
+            'vllm:time_to_first_token_seconds_created{engine="0",model_name="m"} 1.7e+09',
+            'vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 2.0',
+            'vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 0.75',
+            'vllm:time_to_first_token_seconds_other_sum{engine="0"} 99.0',
+            'vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 7.0',
+        ]
+    )
+    assert histogram_totals(text, name) == (2.0, 6)  # both engines; buckets, _created, others ignored
+    assert histogram_totals("vllm:num_requests_running 1.0", name) is None
+
+    def sent(send, first):
+        return AgentSent("k", "t", "a", send, Streamed(send, first_s=first))
+
+    two = [sent(1.0, 1.5), sent(2.0, 2.25)]  # client: send to first token 0.5 and 0.25 s, mean 0.375
+    got = ttft_cross_check((2.0, 6), (2.6, 8), two)  # the server counted 2 more, 0.6 s: mean 0.3
+    assert got["server_ttft_count"] == 2
+    assert math.isclose(got["server_ttft_mean_s"], 0.3) and math.isclose(got["client_ttft_mean_s"], 0.375)
+    assert math.isclose(got["client_minus_server_ttft_s"], 0.075)
+    other = ttft_cross_check((2.0, 6), (2.9, 9), two)  # a reference capture in the point: no difference
+    assert other["server_ttft_count"] == 3 and math.isclose(other["server_ttft_mean_s"], 0.3)
+    assert other["client_minus_server_ttft_s"] is None
+    blind = ttft_cross_check(None, None, two)  # a server without /metrics
+    assert blind["server_ttft_mean_s"] is None and math.isclose(blind["client_ttft_mean_s"], 0.375)
+
+
 # ---- on a real vllm serve -------------------------------------------------------------------------
 @needs_vllm
 def test_the_server_runs_with_vllms_own_processes_and_the_connector(srv):
@@ -533,6 +569,11 @@ def test_records_carry_every_segment_and_trajectory_state_is_freed(srv):
     assert point["method"] == "kvcmas" and point["qps"] == 4.0 and point["shared_tokens"] == trs[0].shared_tokens
     assert point["kv_cache_access"] == "strided"
     assert point["held_peak_bytes"] == fig["held_peak_bytes"] and srv.describe()["worker_reports"][-1] == point
+    # vLLM's own TTFT histogram counted exactly this point's agents; the client's send-to-first-token
+    # spans the server's arrival-to-first-token, so it can only be longer
+    assert point["server_ttft_count"] == len(recs)
+    assert 0 < point["server_ttft_mean_s"] <= point["client_ttft_mean_s"]
+    assert point["client_minus_server_ttft_s"] >= 0
 
 
 #: a streaming client in its own process: its arrival stamps (``time.monotonic``, system-wide on

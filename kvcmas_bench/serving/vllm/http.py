@@ -261,6 +261,18 @@ class HTTP:
             raise BenchError(f"vLLM server answered {r.status}: {data[:300].decode(errors='replace')}")
         return json.loads(data)
 
+    def get_text(self, path: str) -> str | None:
+        """The body of ``GET path``, or None when the server does not answer it with 200."""
+        try:
+            c = self._conn()
+            c.request("GET", path)
+            r = c.getresponse()
+            data = r.read()
+            c.close()
+        except OSError:
+            return None
+        return data.decode(errors="replace") if r.status == 200 else None
+
     def stream(self, body: dict, clock) -> Streamed:
         out = Streamed(clock())
         c = self._conn()
@@ -318,6 +330,49 @@ class AgentSent:
     prompt: list[int] = field(default_factory=list)
     #: the agent's output length as the client cut it (its next agents' prompts hold that output)
     output_tokens: int | None = None
+
+
+#: vLLM's own TTFT histogram (frontend arrival to the first token's output processing)
+SERVER_TTFT_METRIC = "vllm:time_to_first_token_seconds"
+
+
+def histogram_totals(text: str, name: str) -> tuple[float, int] | None:
+    """Sum and count of the Prometheus histogram ``name`` in the exposition ``text``, added over its
+    label sets (engines, model names); None when it is absent."""
+    total, count, seen = 0.0, 0, False
+    for line in text.splitlines():
+        if not line.startswith(name + "_"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric = head.split("{", 1)[0]
+        if metric == name + "_sum":
+            total += float(value)
+            seen = True
+        elif metric == name + "_count":
+            count += int(float(value))
+            seen = True
+    return (total, count) if seen else None
+
+
+def ttft_cross_check(before, after, sent: Sequence[AgentSent]) -> dict:
+    """The client's TTFT beside the server's over one QPS point: vLLM's histogram grew by the
+    point's requests (``before``/``after``: :func:`histogram_totals`). The client's figure is
+    send-to-first-streamed-token, so the difference is HTTP, the frontend's hand-offs and the
+    client's own reading; it is given only when the server counted exactly the point's agents
+    (context-free reference captures served in the point count too)."""
+    client = [s.streamed.first_s - s.streamed.sent_s for s in sent if s.streamed.first_s is not None]
+    out: dict = {"client_ttft_mean_s": sum(client) / len(client) if client else None}
+    if before is None or after is None:
+        return {**out, "server_ttft_count": None, "server_ttft_mean_s": None, "client_minus_server_ttft_s": None}
+    n, total = after[1] - before[1], after[0] - before[0]
+    server = total / n if n > 0 else None
+    same = n == len(client) and server is not None and out["client_ttft_mean_s"] is not None
+    return {
+        **out,
+        "server_ttft_count": n,
+        "server_ttft_mean_s": server,
+        "client_minus_server_ttft_s": out["client_ttft_mean_s"] - server if same else None,
+    }
 
 
 class HTTPBackend(ServedModel):
@@ -613,6 +668,18 @@ class HTTPBackend(ServedModel):
             self.report(sess)
         return m
 
+    def _server_ttft(self, expect: int = 0, since: tuple[float, int] | None = None) -> tuple[float, int] | None:
+        """vLLM's TTFT histogram totals from ``/metrics`` (None: not served there). With ``since``,
+        waits up to a second for ``expect`` more observations (the frontend records a step's
+        stats right after handing its tokens out)."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            text = self.http.get_text("/metrics")
+            got = None if text is None else histogram_totals(text, SERVER_TTFT_METRIC)
+            if since is None or got is None or got[1] - since[1] >= expect or time.monotonic() > deadline:
+                return got
+            time.sleep(0.05)
+
     def run_trajectory(self, trace: Trace, method: Method, qps=None) -> list[RequestRecord]:
         sess = method._kvcmas_session  # type: ignore[attr-defined]
         self._system_prompts(sess, [trace])
@@ -624,9 +691,11 @@ class HTTPBackend(ServedModel):
         self._system_prompts(sess, traces)
         timelines = {}
         for q, arrivals in schedules.items():
+            before = self._server_ttft()
             sent = self._serve_point(sess, traces, None if arrivals is None else list(arrivals), q)
+            check = ttft_cross_check(before, self._server_ttft(len(sent), before), sent)
             timelines[q] = self._records(sess, sent, q)
-            self.point_reports.append(point_report(sess.label or sess.name, traces, q, self.last_session))
+            self.point_reports.append({**point_report(sess.label or sess.name, traces, q, self.last_session), **check})
         self.report(sess, end=True)
         return ServeResult(timelines, None)
 
