@@ -10,6 +10,7 @@ import typing
 from collections import defaultdict
 
 import pytest
+import torch
 import typer
 
 from kvcmas_bench import options
@@ -350,3 +351,21 @@ def test_the_resolved_factorization_is_what_auto_means_on_the_device():
     assert kvcmas().resolved("cpu") == {"svd": "gram"} and kvcmas().resolved("cuda") == {"svd": "subspace"}
     assert kvcmas(svd="exact").resolved("cuda:0") == {"svd": "exact"}
     assert METHODS["kvcomm"]().resolved("cuda") == {} and METHODS["nonshared"]().resolved("cpu") == {}
+    # rank 32 + 16 oversampling columns span rows up to 48 wide: there the iteration runs the Gram path
+    assert kvcmas().resolved("cuda", width=192) == {"svd": "subspace"}  # SmolLM2: 3 KV heads x 64
+    assert kvcmas().resolved("cuda", width=49) == {"svd": "subspace"}
+    assert kvcmas().resolved("cuda", width=48) == {"svd": "gram"}
+    assert kvcmas().resolved("cuda", width=32) == {"svd": "gram"}  # the tests' tiny models
+    assert kvcmas(rank=8).resolved("cuda", width=32) == {"svd": "subspace"}  # 8 + 16 < 32
+    assert kvcmas(svd="exact").resolved("cuda", width=32) == {"svd": "exact"}
+
+
+def test_the_subspace_iteration_takes_the_gram_path_where_resolved_says_so():
+    from kvcmas_bench.ops.lowrank import subspace_factors, truncated_svd_gram
+
+    g = torch.Generator().manual_seed(0)
+    for width, gram in ((48, True), (49, False)):
+        z = torch.randn(2, 64, width, generator=g)
+        (a, b), (ga, gb) = subspace_factors([z], 32)[0], truncated_svd_gram(z, 32)
+        same = torch.equal(a, ga) and torch.equal(b, gb)
+        assert same is gram, width

@@ -90,6 +90,25 @@ def test_kv_head_ranges_follow_vllms_sharding():
     assert (s.heads, s.count, s.replicas, s.publishes) == (1, 2, 2, False)
 
 
+def test_the_served_models_kv_width_is_one_ranks_heads():
+    from types import SimpleNamespace
+
+    from kvcmas_bench.serving.vllm.backend import ServedModel
+
+    def width(heads, attn, hidden, head_dim, tp):
+        m = ServedModel()
+        m.config = SimpleNamespace(
+            num_key_value_heads=heads, num_attention_heads=attn, hidden_size=hidden, head_dim=head_dim
+        )
+        m.opts = SimpleNamespace(tensor_parallel_size=tp)
+        return m.kv_width
+
+    assert width(3, 9, 576, 64, 1) == 192  # SmolLM2-135M: 3 KV heads of 64
+    assert width(3, 9, 576, 64, 3) == 64  # one head per rank
+    assert width(3, 9, 576, 64, 6) == 64  # a head replicated on two ranks
+    assert width(8, 32, 4096, None, 2) == 512  # Llama-3.1-8B: head_dim 4096 / 32 = 128, 4 heads per rank
+
+
 def test_replicated_heads_count_once_in_the_reduction():
     """H = 1 KV head on W = 2 ranks: both hold the same head; the sum over ranks is halved."""
 

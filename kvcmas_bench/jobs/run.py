@@ -190,7 +190,7 @@ def run_config(opts: RunOptions, p: Prepared, flow: Workflow) -> dict:
     return {
         "method": opts.method,
         "method_config": p.method.config(),
-        "method_resolved": p.method.resolved(p.engine.device),
+        "method_resolved": p.method.resolved(p.engine.device, p.engine.n_kv * p.engine.head_dim),
         "workload": opts.workload,
         "model": p.lm.name,
         "model_source": p.lm.source,

@@ -746,7 +746,9 @@ def serve(
             say(f"{name} @ {s} shared tokens: preparing (calibration / warm-up on {len(cal)} held-out trajectories)")
             m = backend.prepare(spec, cal)
             config.setdefault("method_configs", {})[name] = m.config()
-            config.setdefault("method_resolved", {})[name] = m.resolved(_torch_device(str(config.get("device"))))
+            config.setdefault("method_resolved", {})[name] = m.resolved(
+                _torch_device(str(config.get("device"))), getattr(backend, "kv_width", None)
+            )
             res = backend.serve(m, ev, schedules)
             del m
             if res.service is not None:

@@ -138,9 +138,10 @@ class Method:
                 raise ValueError(f"{self.name} has no state field {key!r}")
             setattr(self, key, value)
 
-    def resolved(self, device) -> dict:
-        """Knobs whose value "auto" (or similar) stands for a choice made per ``device``: the choice made,
-        recorded beside ``method_config`` (``method_resolved`` in ``config.json``). Default: none."""
+    def resolved(self, device, width: int | None = None) -> dict:
+        """Knobs whose value "auto" (or similar) stands for a choice made per ``device`` (and the model's
+        K/V row ``width``, kv_heads x head_dim, where known): the choice made, recorded beside
+        ``method_config`` (``method_resolved`` in ``config.json``). Default: none."""
         return {}
 
     def config(self) -> dict:

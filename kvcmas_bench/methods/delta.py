@@ -132,9 +132,12 @@ class OnlineDeltaCorrection(Method):
     def workload_defaults(cls, workload) -> dict:
         return {"tau": workload.default_tau}
 
-    def resolved(self, device) -> dict:
-        """The factorization ``svd`` names on ``device`` (low-rank anchors only: full ones have none)."""
-        return {} if self.rank is None else {"svd": factorization(self.svd, torch.device(device))}
+    def resolved(self, device, width: int | None = None) -> dict:
+        """The factorization ``svd`` runs on ``device`` for K/V rows of ``width`` (low-rank anchors only:
+        full ones have none)."""
+        if self.rank is None:
+            return {}
+        return {"svd": factorization(self.svd, torch.device(device), self.rank, width)}
 
     def _count(self, key: str, n: int = 1) -> None:
         self.stats[key] = self.stats.get(key, 0) + n

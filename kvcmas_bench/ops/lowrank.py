@@ -161,10 +161,15 @@ def truncated_svd_subspace(
     return subspace_factors([z], rank, oversample, iters, seed, gram_dtype)[0]
 
 
+#: extra columns of the subspace iteration beyond the rank; where ``rank + oversample`` reaches the
+#: row width it would span everything, so :func:`subspace_factors` runs the exact Gram factorization
+SUBSPACE_OVERSAMPLE = 16
+
+
 def subspace_factors(
     zs: list[torch.Tensor],
     rank: int,
-    oversample: int = 16,
+    oversample: int = SUBSPACE_OVERSAMPLE,
     iters: int = 8,
     seed: int = 0,
     gram_dtype: torch.dtype | None = None,
@@ -208,10 +213,15 @@ def subspace_factors(
 FACTORIZATIONS = ("auto", "gram", "exact", "subspace")
 
 
-def factorization(svd: str, device: torch.device) -> str:
+def factorization(svd: str, device: torch.device, rank: int | None = None, width: int | None = None) -> str:
     """The factorization ``svd`` names on ``device``. "auto": the exact Gram factorization on the CPU,
-    the subspace iteration elsewhere (where ``eigh`` is latency-bound)."""
-    return ("gram" if device.type == "cpu" else "subspace") if svd == "auto" else svd
+    the subspace iteration elsewhere (where ``eigh`` is latency-bound). Given the ``rank`` and the
+    K/V row ``width`` (kv_heads x head_dim), "gram" where the subspace iteration would fall back to it
+    (``min(rank, width) + SUBSPACE_OVERSAMPLE >= width``: narrow rows, tiny models)."""
+    how = ("gram" if device.type == "cpu" else "subspace") if svd == "auto" else svd
+    if how == "subspace" and rank is not None and width is not None and min(rank, width) + SUBSPACE_OVERSAMPLE >= width:
+        return "gram"
+    return how
 
 
 def factorize(

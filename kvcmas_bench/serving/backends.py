@@ -179,6 +179,11 @@ class InProcessBackend:
     def vocab_size(self) -> int | None:
         return getattr(self.engine.config, "vocab_size", None)
 
+    @property
+    def kv_width(self) -> int:
+        """The K/V row width (kv_heads x head_dim) of the anchors' factorizations."""
+        return self.engine.n_kv * self.engine.head_dim
+
     def describe(self) -> dict:
         return {
             "name": self.name,

@@ -237,6 +237,14 @@ class ServedModel:
     def vocab_size(self) -> int | None:
         return getattr(self.config, "vocab_size", None)
 
+    @property
+    def kv_width(self) -> int:
+        """The K/V row width (heads x head_dim) one worker's anchors hold: its tensor-parallel rank's
+        KV heads (:func:`~.tp.kv_head_range`)."""
+        heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
+        world = int(getattr(getattr(self, "opts", None), "tensor_parallel_size", 1) or 1)
+        return max(1, heads // world) * head_dim_of(self.config)
+
 
 class VLLMBackend(ServedModel):
     """Serve trace requests for real on vLLM (see the package docstring)."""
