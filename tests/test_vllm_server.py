@@ -319,6 +319,7 @@ def test_server_ttft_is_read_from_vllms_histogram_and_set_beside_the_clients():
             'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 4.0',
             'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 1.25',
             'vllm:time_to_first_token_seconds_created{engine="0",model_name="m"} 1.7e+09',
+            'vllm:time_to_first_token_seconds_sum{engine="2",model_name="m"} 0.4x',  # corrupt: skipped
             'vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 2.0',
             'vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 0.75',
             'vllm:time_to_first_token_seconds_other_sum{engine="0"} 99.0',

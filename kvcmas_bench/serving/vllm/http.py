@@ -338,18 +338,23 @@ SERVER_TTFT_METRIC = "vllm:time_to_first_token_seconds"
 
 def histogram_totals(text: str, name: str) -> tuple[float, int] | None:
     """Sum and count of the Prometheus histogram ``name`` in the exposition ``text``, added over its
-    label sets (engines, model names); None when it is absent."""
+    label sets (engines, model names); None when it is absent. A line whose value does not parse is
+    skipped (a figure beside the measurement must not end a sweep)."""
     total, count, seen = 0.0, 0, False
     for line in text.splitlines():
         if not line.startswith(name + "_"):
             continue
         head, _, value = line.rpartition(" ")
         metric = head.split("{", 1)[0]
+        try:
+            number = float(value)
+        except ValueError:
+            continue
         if metric == name + "_sum":
-            total += float(value)
+            total += number
             seen = True
         elif metric == name + "_count":
-            count += int(float(value))
+            count += int(number)
             seen = True
     return (total, count) if seen else None
 
