@@ -282,6 +282,17 @@ def worker_reports(root: Path, shared: int) -> tuple[Path, list | None]:
     return cfg_path, json.loads(cfg_path.read_text()).get("backend_config", {}).get("worker_reports")
 
 
+def reports_with(console, root: Path, lengths: list[int], present, what: str, why: str = ""):
+    """``(shared length, its worker reports)`` for each length whose reports hold the figures
+    (``present(points)``); a line saying there are no ``what`` figures (``why``) for the others."""
+    for s in lengths:
+        cfg_path, points = worker_reports(root, s)
+        if not points or not present(points):
+            console.print(f"  {s:>5} shared: no {what} figures in {cfg_path}{why}")
+            continue
+        yield s, points
+
+
 def _per_request(p: dict, prev: dict, prefix: str, n: int) -> dict[str, float]:
     """A worker report's ``<prefix><kind>_s`` figures over one point (minus the previous report), per request."""
     return {
@@ -308,11 +319,8 @@ def method_thread(console, root: Path, lengths: list[int], methods: list[str]) -
         "share of the point's makespan; requests' plan wait p50/p90"
     )
     out: dict = {}
-    for s in lengths:
-        cfg_path, points = worker_reports(root, s)
-        if not points or any(p.get("method_work_s") is None for p in points):
-            console.print(f"  {s:>5} shared: no method-thread figures in {cfg_path}")
-            continue
+    has_work = lambda points: all(p.get("method_work_s") is not None for p in points)  # noqa: E731
+    for s, points in reports_with(console, root, lengths, has_work, "method-thread"):
         rows = rows_of(root / str(s) / "vllm")
         for prev, p in zip(points, points[1:]):
             if p["method"] not in methods or not p["qps"] or (p["method"], p["qps"]) not in rows:
@@ -355,11 +363,8 @@ def client_vs_server(console, root: Path, lengths: list[int], methods: list[str]
         "(/metrics), and their difference"
     )
     out: dict = {}
-    for s in lengths:
-        cfg_path, points = worker_reports(root, s)
-        if not points or all(p.get("client_ttft_mean_s") is None for p in points):
-            console.print(f"  {s:>5} shared: no client/server TTFT figures in {cfg_path}")
-            continue
+    has_ttft = lambda points: any(p.get("client_ttft_mean_s") is not None for p in points)  # noqa: E731
+    for s, points in reports_with(console, root, lengths, has_ttft, "client/server TTFT"):
         for p in points:
             if p["method"] not in methods or "client_ttft_mean_s" not in p:
                 continue
@@ -390,11 +395,7 @@ def worker_memory(console, root: Path, lengths: list[int], methods: list[str]) -
         "context-free references are dropped at each report since 6fc7b14)"
     )
     out: dict = {}
-    for s in lengths:
-        cfg_path, points = worker_reports(root, s)
-        if not points:
-            console.print(f"  {s:>5} shared: no worker figures in {cfg_path} (measured before they were recorded)")
-            continue
+    for s, points in reports_with(console, root, lengths, bool, "worker", " (measured before they were recorded)"):
         for m in methods:
             got = [p for p in points if p["method"] == m]
             if not got:
