@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from common import Summary, fmt, prefix, print_header, shared_ids, spread_verdict, timed
 
-from kvcmas_bench.engine import Engine, Request, Segment, SegmentContext
+from kvcmas_bench.engine import Engine, SegmentContext
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import Anchor, AnchorPool, Entry, Factor
 from kvcmas_bench.modeling import load_model
@@ -69,6 +69,7 @@ from kvcmas_bench.ops.lowrank import (
     truncated_svd_gram,
     truncated_svd_subspace,
 )
+from kvcmas_bench.segments import Request, Segment
 
 
 def dense_segment(engine: Engine, pre: list[int], seg: list[int]):

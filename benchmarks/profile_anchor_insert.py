@@ -22,17 +22,87 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 import torch
 from common import Summary, fmt, print_header, spread_verdict, timed
 
-from kvcmas_bench.engine import SegmentKV
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import AnchorPool
 from kvcmas_bench.ops import lowrank as lr
+from kvcmas_bench.segments import SegmentKV
 
 
-def main() -> None:
+@dataclass
+class Shape:
+    """The synthetic segment's K/V shape, the device and the repeats of every timing."""
+
+    device: torch.device
+    layers: int
+    tokens: int
+    heads: int
+    hd: int
+    repeats: int
+
+    @property
+    def D(self) -> int:
+        return self.heads * self.hd
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def now(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def timeit(self, fn) -> Summary:
+        return timed(fn, self.repeats, warmup=1, clock=self.now)
+
+    def spectral(self, seed: int, dominant: float, decay: float) -> torch.Tensor:
+        """``[layers, tokens, D]`` rows with a decaying spectrum and one dominant direction per matrix."""
+        L, S, D = self.layers, self.tokens, self.D
+        g = torch.Generator().manual_seed(seed)
+        s = torch.arange(1, D + 1, dtype=torch.float32) ** -decay
+        s[0] *= dominant
+        u = torch.randn(L, S, D, generator=g) / S**0.5
+        v = torch.randn(L, D, D, generator=g) / D**0.5
+        return torch.bmm(u.to(self.device) * s.to(self.device), v.to(self.device))
+
+
+@dataclass
+class Segment:
+    """One synthetic segment: the reference rows, the exact cache (bfloat16) and their deltas."""
+
+    inv_freq: torch.Tensor
+    ref_k: torch.Tensor
+    ref_v: torch.Tensor
+    exact: SegmentKV
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+    @classmethod
+    def of(cls, sh: Shape) -> Segment:
+        hd, H = sh.hd, sh.heads
+        inv_freq = (1.0 / (500000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))).to(sh.device)
+        ref_k, ref_v = sh.spectral(1, 30.0, 0.8), sh.spectral(2, 5.0, 0.7)
+        exact = SegmentKV(
+            k=lr.from_rows(ref_k + 0.1 * sh.spectral(3, 10.0, 1.0), H).to(torch.bfloat16).contiguous(),
+            v=lr.from_rows(ref_v + 0.1 * sh.spectral(4, 100.0, 1.0), H).to(torch.bfloat16).contiguous(),
+            start=37,
+            ids=tuple(range(sh.tokens)),
+        )
+        dk = lr.shift_to_rows(exact.k, -exact.start, inv_freq) - ref_k
+        dv = lr.rows_copy(exact.v) - ref_v
+        return cls(inv_freq, ref_k, ref_v, exact, dk, dv)
+
+    def insert(self, svd: str, anchor_dtype: str | None = None):
+        """One pool insertion of the segment as KVCMAS makes it after a dense fallback, as a callable."""
+        m = get_method("kvcmas", svd=svd, anchor_dtype=anchor_dtype)
+        return lambda: m.insert(AnchorPool(10), "x", ("x",), self.ref_k, self.ref_v, "B", self.exact, self.inv_freq)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
@@ -42,76 +112,62 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=8, help="KV heads")
     ap.add_argument("--hd", type=int, default=128, help="head dimension")
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
-    print_header()
-    dev = torch.device(args.device)
-    L, S, H, hd = args.layers, args.tokens, args.heads, args.hd
-    D = H * hd
+    return ap.parse_args(argv)
 
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
 
-    def now() -> float:
-        sync()
-        return time.perf_counter()
-
-    def timeit(fn) -> Summary:
-        return timed(fn, args.repeats, warmup=1, clock=now)
-
-    def spectral(seed: int, dominant: float, decay: float) -> torch.Tensor:
-        g = torch.Generator().manual_seed(seed)
-        s = torch.arange(1, D + 1, dtype=torch.float32) ** -decay
-        s[0] *= dominant
-        u = torch.randn(L, S, D, generator=g) / S**0.5
-        v = torch.randn(L, D, D, generator=g) / D**0.5
-        return torch.bmm(u.to(dev) * s.to(dev), v.to(dev))
-
-    inv_freq = (1.0 / (500000.0 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))).to(dev)
-    ref_k, ref_v = spectral(1, 30.0, 0.8), spectral(2, 5.0, 0.7)
-    exact = SegmentKV(
-        k=lr.from_rows(ref_k + 0.1 * spectral(3, 10.0, 1.0), H).to(torch.bfloat16).contiguous(),
-        v=lr.from_rows(ref_v + 0.1 * spectral(4, 100.0, 1.0), H).to(torch.bfloat16).contiguous(),
-        start=37,
-        ids=tuple(range(S)),
-    )
-    dk = lr.shift_to_rows(exact.k, -exact.start, inv_freq) - ref_k
-    dv = lr.rows_copy(exact.v) - ref_v
-    print(f"K/V shape: layers {L}, {S} tokens, D = {H} x {hd} = {D}; device {dev}, torch {torch.__version__}")
-
-    def insert(svd: str, anchor_dtype: str | None = None):
-        m = get_method("kvcmas", svd=svd, anchor_dtype=anchor_dtype)
-        return lambda: m.insert(AnchorPool(10), "x", ("x",), ref_k, ref_v, "B", exact, inv_freq)
-
+def insertions(sh: Shape, seg: Segment) -> None:
+    """Section 1: one pool insertion per factorization and anchor dtype."""
     print("1. one pool insertion")
     for svd, adt in (("subspace", None), ("subspace", "float32"), ("gram", None)):
         name = adt or "the model's (bfloat16)"
-        print(f"  svd={svd}, anchors {name}: {fmt(timeit(insert(svd, adt)), digits=4)}")
+        print(f"  svd={svd}, anchors {name}: {fmt(sh.timeit(seg.insert(svd, adt)), digits=4)}")
+
+
+def factorizations(sh: Shape, seg: Segment) -> None:
+    """Section 2: the four stacks in one subspace iteration vs one alone, and the Gram GEMM."""
     print("2. factorizations (ms)")
-    four = [dk, dv, ref_k, ref_v]
+    four = [seg.dk, seg.dv, seg.ref_k, seg.ref_v]
     for low in (None, torch.bfloat16):
         name = "bfloat16" if low else "float32"
-        t4 = timeit(lambda low=low: lr.subspace_factors(four, 32, gram_dtype=low))
-        t1 = timeit(lambda low=low: lr.truncated_svd_subspace(dk, 32, gram_dtype=low))
-        g = timeit(lambda low=low: lr.gram_matrices(dk, low))
+        t4 = sh.timeit(lambda low=low: lr.subspace_factors(four, 32, gram_dtype=low))
+        t1 = sh.timeit(lambda low=low: lr.truncated_svd_subspace(seg.dk, 32, gram_dtype=low))
+        g = sh.timeit(lambda low=low: lr.gram_matrices(seg.dk, low))
         print(f"  {name} Gram: four stacks in one iteration {fmt(t4.map(lambda x: 1e3 * x), 'ms', 1)}")
         print(f"  {name} Gram: one stack alone {fmt(t1.map(lambda x: 1e3 * x), 'ms', 1)}")
         print(f"  {name} Gram: the Gram GEMM of one stack {fmt(g.map(lambda x: 1e3 * x), 'ms', 2)}")
+
+
+def profiled(sh: Shape, seg: Segment) -> None:
+    """Section 3: one insertion under the torch profiler, operators by device and host time."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = dev.type == "cuda"
-    run = insert("subspace")
+    cuda = sh.device.type == "cuda"
+    run = seg.insert("subspace")
     run()
-    sync()
+    sh.sync()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         run()
-        sync()
+        sh.sync()
     ev = prof.key_averages()
     print("3. one insertion (svd=subspace, bfloat16 anchors) under the profiler")
     if cuda:
         print(ev.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=40))
     print(ev.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=40))
     print(f"  operator calls: {sum(e.count for e in ev)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print_header(argv)
+    sh = Shape(torch.device(args.device), args.layers, args.tokens, args.heads, args.hd, args.repeats)
+    seg = Segment.of(sh)
+    print(
+        f"K/V shape: layers {sh.layers}, {sh.tokens} tokens, D = {sh.heads} x {sh.hd} = {sh.D}; "
+        f"device {sh.device}, torch {torch.__version__}"
+    )
+    insertions(sh, seg)
+    factorizations(sh, seg)
+    profiled(sh, seg)
     print(f"\n{spread_verdict()}")
 
 

@@ -21,9 +21,10 @@ import torch
 from common import FLAG, prefix, print_header, record, shared_ids, spread_verdict, timed
 
 from kvcmas_bench.calibration import Recorder
-from kvcmas_bench.engine import Engine, Request, Segment
+from kvcmas_bench.engine import Engine
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.modeling import load_model
+from kvcmas_bench.segments import Request, Segment
 
 
 def requests(tok, seg: list[int]) -> tuple[Request, Request]:

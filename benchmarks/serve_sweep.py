@@ -42,7 +42,7 @@ METHODS = "nonshared,fullshared,kvcomm,graphflow,kvcmas"
 UTILIZATIONS = "0.25,0.5,0.75,0.9,1.0"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -93,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     import torch
     from rich.console import Console
@@ -113,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             fig = one_sweep(args, argv, methods, out, console)
         except BenchError as exc:
-            print(f"serve_sweep: error: {exc}", file=sys.stderr)
-            return 2
+            fig = str(exc)
         if isinstance(fig, str):
             print(f"serve_sweep: error: {fig}", file=sys.stderr)
             return 2
@@ -129,14 +133,44 @@ def main(argv: list[str] | None = None) -> int:
 def one_sweep(args, argv, methods: list[str], out: Path, console) -> dict | str:
     """Measure, replay and print one sweep into ``out`` (its command appended to ``command.txt``);
     its headline figures, or an error line."""
-    from rich import box
-    from rich.table import Table
-
-    from kvcmas_bench.jobs.sweep import evaluate_service, serve_sweep
+    from kvcmas_bench.jobs.sweep import evaluate_service
     from kvcmas_bench.results.outdir import lock_output_dir
 
     t0 = time.perf_counter()
-    single = serve_sweep(
+    single = measure(args, methods, out, console)
+    measured_s = time.perf_counter() - t0
+    rows = {r["method"]: r for r in single["rows"]}
+    if "nonshared" not in rows:
+        return "the QPS grid is derived from nonshared; include it in --methods"
+    grid = qps_grid(args.utilizations, rows["nonshared"]["trajectory_service_mean_s"])
+    summary = evaluate_service(str(out), [0.0] + grid, console=None)
+    by = {(r["method"], r["qps"]): r for r in summary["rows"]}
+    qps_all = sorted({r["qps"] for r in summary["rows"]})
+    console.print(ttft_table(args, methods, by, qps_all))
+    console.print(service_table(methods, by))
+    fig: dict = {
+        "service": {
+            m: {k: by[(m, 0.0)][k] for k in ("trajectory_service_mean_s", "service_ttft_mean_s")} for m in methods
+        },
+        "speedup": None,
+    }
+    sustained = [q for q in qps_all if q > 0 and not by[("nonshared", q)]["saturated"]]
+    if "kvcmas" in methods and sustained:
+        fig.update(kvcmas_speedups(console, methods, by, max(sustained)))
+        console.print(breakdown(out / "service.jsonl", methods))
+    elif "kvcmas" in methods:
+        console.print("no QPS below NonShared saturation in the grid; lower --utilizations")
+    with lock_output_dir(out):  # the sweep is written; appended while no other process writes there
+        append_header(out / "command.txt", argv)
+    console.print(f"[dim]measurement {measured_s:.0f} s; results in {out}/ ({', '.join(summary['plots'])})[/dim]")
+    return fig
+
+
+def measure(args, methods: list[str], out: Path, console) -> dict:
+    """Every method measured once, single stream, into ``out`` (``serve_sweep`` at QPS 0)."""
+    from kvcmas_bench.jobs.sweep import serve_sweep
+
+    return serve_sweep(
         methods,
         [0],
         [args.shared_tokens],
@@ -155,20 +189,26 @@ def one_sweep(args, argv, methods: list[str], out: Path, console) -> dict | str:
         console=console,
         show_table=False,
     )
-    measured_s = time.perf_counter() - t0
-    rows = {r["method"]: r for r in single["rows"]}
-    if "nonshared" not in rows:
-        return "the QPS grid is derived from nonshared; include it in --methods"
-    t_ns = rows["nonshared"]["trajectory_service_mean_s"]
-    utils = sorted(float(u) for u in args.utilizations.split(","))
+
+
+def qps_grid(utilizations: str, t_ns: float) -> list[float]:
+    """The QPS points (trajectories/s) of the comma-separated NonShared ``utilizations`` given NonShared's
+    mean trajectory service time ``t_ns``, in increasing order, up to the first at which NonShared
+    saturates (a utilization >= 1, appended at 1 when none is listed)."""
     grid: list[float] = []
-    for u in utils:
+    for u in sorted(float(u) for u in utilizations.split(",")):
         grid.append(u / t_ns * (1 + 1e-9 if u >= 1.0 else 1))  # float-safe: u = 1 must count as saturated
         if u >= 1.0:
             break
     else:  # always end on the first QPS at which NonShared saturates
         grid.append(1.0 / t_ns * (1 + 1e-9))
-    summary = evaluate_service(str(out), [0.0] + grid, console=None)
+    return grid
+
+
+def ttft_table(args, methods: list[str], by: dict, qps_all: list[float]):
+    """p50 / p90 TTFT per QPS point and method, with NonShared's offered utilization."""
+    from rich import box
+    from rich.table import Table
 
     table = Table(
         box=box.SIMPLE_HEAD,
@@ -180,13 +220,17 @@ def one_sweep(args, argv, methods: list[str], out: Path, console) -> dict | str:
     table.add_column("util", justify="right")  # NonShared's offered utilization
     for m in methods:
         table.add_column(m, justify="right", min_width=len(m))  # wrap the cells, never cut the names
-    by = {(r["method"], r["qps"]): r for r in summary["rows"]}
-    qps_all = sorted({r["qps"] for r in summary["rows"]})
     for q in qps_all:
         u = by[("nonshared", q)]["utilization"]
         cells = [f"{by[(m, q)]['ttft_p50_s']:.3f} / {by[(m, q)]['ttft_p90_s']:.3f}" for m in methods]
         table.add_row("0 (single)" if q == 0 else f"{q:.3g}", "-" if u is None else f"{u:.2f}", *cells)
-    console.print(table)
+    return table
+
+
+def service_table(methods: list[str], by: dict):
+    """Each method measured in isolation (QPS 0): mean TTFT, E2E, trajectory time, rho and memory."""
+    from rich.table import Table
+
     svc = Table(title="measured in isolation (mean per request) and memory")
     for col in ("method", "TTFT (s)", "E2E (s)", "trajectory (s)", "rho", "peak mem (MiB)", "KV+state (MiB)"):
         svc.add_column(col, justify="right" if col != "method" else "left")
@@ -201,37 +245,25 @@ def one_sweep(args, argv, methods: list[str], out: Path, console) -> dict | str:
             f"{(r['peak_mem_bytes'] or 0) / 2**20:.0f}",
             f"{r['kv_state_peak_bytes'] / 2**20:.1f}",
         )
-    console.print(svc)
+    return svc
 
-    fig: dict = {
-        "service": {
-            m: {k: by[(m, 0.0)][k] for k in ("trajectory_service_mean_s", "service_ttft_mean_s")} for m in methods
-        },
-        "speedup": None,
-    }
-    sustained = [q for q in qps_all if q > 0 and not by[("nonshared", q)]["saturated"]]
-    if "kvcmas" in methods and sustained:
-        q = max(sustained)
-        k = by[("kvcmas", q)]
-        fig["utilization"] = by[("nonshared", q)]["utilization"]
-        console.print(
-            f"KVCMAS TTFT speedup (other / KVCMAS) at QPS {q:.3g}, the highest NonShared sustains "
-            f"(utilization {fig['utilization']:.2f}):"
-        )
-        fig["speedup"] = {}
-        for m in methods:
-            if m == "kvcmas":
-                continue
-            o = by[(m, q)]
-            fig["speedup"][m] = (o["ttft_p50_s"] / k["ttft_p50_s"], o["ttft_p90_s"] / k["ttft_p90_s"])
-            goal = "  (goal >= 2x)" if m == "nonshared" else ""
-            console.print(f"  vs {m:<12} p50 {fig['speedup'][m][0]:.2f}x   p90 {fig['speedup'][m][1]:.2f}x{goal}")
-        console.print(breakdown(out / "service.jsonl", methods))
-    elif "kvcmas" in methods:
-        console.print("no QPS below NonShared saturation in the grid; lower --utilizations")
-    with lock_output_dir(out):  # the sweep is written; appended while no other process writes there
-        append_header(out / "command.txt", argv)
-    console.print(f"[dim]measurement {measured_s:.0f} s; results in {out}/ ({', '.join(summary['plots'])})[/dim]")
+
+def kvcmas_speedups(console, methods: list[str], by: dict, q: float) -> dict:
+    """KVCMAS's TTFT speedup over every other method at QPS ``q`` (printed); the figures' ``utilization``
+    (NonShared's at ``q``) and ``speedup`` (method -> (p50, p90) ratio other / KVCMAS)."""
+    k = by[("kvcmas", q)]
+    fig: dict = {"utilization": by[("nonshared", q)]["utilization"], "speedup": {}}
+    console.print(
+        f"KVCMAS TTFT speedup (other / KVCMAS) at QPS {q:.3g}, the highest NonShared sustains "
+        f"(utilization {fig['utilization']:.2f}):"
+    )
+    for m in methods:
+        if m == "kvcmas":
+            continue
+        o = by[(m, q)]
+        fig["speedup"][m] = (o["ttft_p50_s"] / k["ttft_p50_s"], o["ttft_p90_s"] / k["ttft_p90_s"])
+        goal = "  (goal >= 2x)" if m == "nonshared" else ""
+        console.print(f"  vs {m:<12} p50 {fig['speedup'][m][0]:.2f}x   p90 {fig['speedup'][m][1]:.2f}x{goal}")
     return fig
 
 

@@ -44,7 +44,9 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -117,7 +119,7 @@ def ratios(by: dict, methods: list[str]) -> dict | None:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -156,6 +158,76 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    return args
+
+
+@dataclass
+class Bench:
+    """One invocation: its options, the methods, shared lengths, QPS factors and vLLM engine options."""
+
+    args: argparse.Namespace
+    argv: list[str] | None
+    console: Any
+    methods: list[str]
+    lengths: list[int] = field(default_factory=list)
+    factors: list[float] = field(default_factory=list)
+    engine_options: dict = field(default_factory=dict)
+
+    def parse_lists(self) -> None:
+        self.lengths = [int(x) for x in self.args.shared_tokens.split(",") if x.strip()]
+        self.factors = [float(x) for x in self.args.qps_factors.split(",") if x.strip()]
+        self.engine_options = dict(kv.split("=", 1) for kv in self.args.engine_arg)
+
+    @property
+    def root(self) -> Path:
+        return Path(self.args.output_path)
+
+    def roots(self) -> list[Path]:
+        """The measurement directories: ``--report-only`` reads the repeat-* ones there are (else the
+        root); a run measures into the root, or repeat-1 .. repeat-N."""
+        root, args = self.root, self.args
+        if args.report_only:
+            found = [p for p in root.glob("repeat-*") if p.name[len("repeat-") :].isdigit()]
+            return sorted(found, key=lambda p: int(p.name[len("repeat-") :])) or [root]
+        return [root] if args.repeats == 1 else [root / f"repeat-{i}" for i in range(1, args.repeats + 1)]
+
+    def sweep_options(self) -> dict:
+        """The ``serve_sweep`` options both engines' sweeps share."""
+        a, console = self.args, self.console
+        return dict(
+            model=a.model,
+            dtype=a.dtype,
+            seed=a.seed,
+            output_tokens=a.output_tokens,
+            calib_trajectories=a.calib_trajectories,
+            warmup_trajectories=a.warmup_trajectories,
+            matched_rho=a.matched_rho,
+            console=console,
+            show_table=False,
+            progress=lambda msg: console.print(f"[dim]{msg}[/dim]"),
+        )
+
+
+def refusal(args: argparse.Namespace, methods: list[str]) -> str | None:
+    """Why this run cannot go ahead (checked before anything is measured), or None."""
+    from kvcmas_bench.errors import BenchError
+
+    if "nonshared" not in methods:
+        return "include nonshared (the reference)"
+    if not args.report_only:  # before the in-process half runs: a method the server cannot serve fails now
+        import kvcmas_bench.serving.vllm  # noqa: F401  (registers the engine and its limits)
+        from kvcmas_bench.methods import method_class
+        from kvcmas_bench.serving.backends import check_backend
+
+        try:
+            check_backend("vllm", [method_class(m) for m in methods])
+        except BenchError as exc:
+            return str(exc)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     import torch
     from rich.console import Console
@@ -165,69 +237,47 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print_header(argv)
     console = Console(width=max(100, Console().width))
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if "nonshared" not in methods:
-        print("serve_sweep_vllm: error: include nonshared (the reference)", file=sys.stderr)
+    b = Bench(args, argv, console, [m.strip() for m in args.methods.split(",") if m.strip()])
+    why = refusal(args, b.methods)
+    if why is not None:
+        print(f"serve_sweep_vllm: error: {why}", file=sys.stderr)
         return 2
-    if not args.report_only:  # before the in-process half runs: a method the server cannot serve fails now
-        import kvcmas_bench.serving.vllm  # noqa: F401  (registers the engine and its limits)
-        from kvcmas_bench.methods import method_class
-        from kvcmas_bench.serving.backends import check_backend
-
-        try:
-            check_backend("vllm", [method_class(m) for m in methods])
-        except BenchError as exc:
-            print(f"serve_sweep_vllm: error: {exc}", file=sys.stderr)
-            return 2
-    lengths = [int(x) for x in args.shared_tokens.split(",") if x.strip()]
-    factors = [float(x) for x in args.qps_factors.split(",") if x.strip()]
-    engine_options = dict(kv.split("=", 1) for kv in args.engine_arg)
-    root = Path(args.output_path)
-    if args.report_only:
-        found = [p for p in root.glob("repeat-*") if p.name[len("repeat-") :].isdigit()]
-        roots = sorted(found, key=lambda p: int(p.name[len("repeat-") :])) or [root]
-    else:
-        roots = [root] if args.repeats == 1 else [root / f"repeat-{i}" for i in range(1, args.repeats + 1)]
-    common = dict(
-        model=args.model,
-        dtype=args.dtype,
-        seed=args.seed,
-        output_tokens=args.output_tokens,
-        calib_trajectories=args.calib_trajectories,
-        warmup_trajectories=args.warmup_trajectories,
-        matched_rho=args.matched_rho,
-        console=console,
-        show_table=False,
-        progress=lambda msg: console.print(f"[dim]{msg}[/dim]"),
-    )
+    b.parse_lists()
+    roots = b.roots()
     every: list[dict] = []
     for i, r in enumerate(roots):
         if len(roots) > 1:
             console.print(f"\n[bold]repeat {i + 1} of {len(roots)}[/bold]: {r}")
         try:
-            if not args.report_only:
-                run_all(args, methods, lengths, factors, engine_options, r, common)
-                append_header(r / "command.txt", argv)
-            results = report(console, r, lengths, methods)
-            memory = worker_memory(console, r, lengths, methods)
-            thread = method_thread(console, r, lengths, methods)
-            clocks = client_vs_server(console, r, lengths, methods)
+            every.append(measure_and_report(b, r))
         except BenchError as exc:
             print(f"serve_sweep_vllm: error: {exc}", file=sys.stderr)
             return 2
-        write_comparison(
-            r / "comparison.json",
-            argv,
-            {"results": results, "worker_memory": memory, "method_thread": thread, "client_vs_server_ttft": clocks},
-        )
-        every.append(results)
     if len(roots) > 1:
         if not args.report_only:
-            append_header(root / "command.txt", argv)
-        summary = over_repeats(console, lengths, methods, every)
-        write_comparison(root / "comparison.json", argv, {"repeats": every, "summary": summary})
+            append_header(b.root / "command.txt", argv)
+        summary = over_repeats(console, b.lengths, b.methods, every)
+        write_comparison(b.root / "comparison.json", argv, {"repeats": every, "summary": summary})
     console.print(f"torch threads {torch.get_num_threads()}; {spread_verdict()}", soft_wrap=True)
     return 0
+
+
+def measure_and_report(b: Bench, r: Path) -> dict:
+    """One measurement under ``r`` (unless ``--report-only``), its sections printed and its
+    ``comparison.json`` written; the TTFT ratios per length and engine."""
+    if not b.args.report_only:
+        run_all(b.args, b.methods, b.lengths, b.factors, b.engine_options, r, b.sweep_options())
+        append_header(r / "command.txt", b.argv)
+    results = report(b.console, r, b.lengths, b.methods)
+    memory = worker_memory(b.console, r, b.lengths, b.methods)
+    thread = method_thread(b.console, r, b.lengths, b.methods)
+    clocks = client_vs_server(b.console, r, b.lengths, b.methods)
+    write_comparison(
+        r / "comparison.json",
+        b.argv,
+        {"results": results, "worker_memory": memory, "method_thread": thread, "client_vs_server_ttft": clocks},
+    )
+    return results
 
 
 def report(console, root: Path, lengths: list[int], methods: list[str]) -> dict:

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import SegmentContext, SegmentKV
+from .engine import SegmentContext
 from .errors import BenchError
 from .methods.base import Method, state
+from .segments import SegmentKV
 
 
 @dataclass

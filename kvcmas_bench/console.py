@@ -13,7 +13,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from .report.columns import Column, cell
+from .registry import LiveSequence
+from .report.columns import Column, cell, figure_columns
 
 
 def fmt(v, unit: str = "") -> str:
@@ -94,16 +95,8 @@ def fitted_table(
         keep.remove([c for c in droppable if c.priority == worst][-1])
 
 
-RUN_COLUMNS = (
-    Column("n", "n", "int", 3),
-    Column("accuracy", "accuracy", "acc", 0),
-    Column("latency_s", "latency (s)", "s", 0),
-    Column("ttft_s", "TTFT (s)", "s", 0),
-    Column("ttft_s_p90", "TTFT p90 (s)", "s", 2),
-    Column("peak_mem_bytes", "peak mem (MiB)", "MiB", 1),
-    Column("kv_state_peak_bytes", "KV+state peak (MiB)", "MiB", 2),
-    Column("reuse_ratio", "rho", "rho", 0),
-)
+#: the ``run`` console table: every figure with a ``console`` view (:mod:`kvcmas_bench.results.figures`)
+RUN_COLUMNS = LiveSequence(lambda: figure_columns("console"))
 
 
 def print_run_summary(summary: dict, console: Console) -> None:
@@ -155,46 +148,18 @@ def accounting_line(acc: dict) -> str:
     return ("method: " + "; ".join(parts)) if parts else ""
 
 
-SWEEP_COLUMNS = (
+#: the columns naming a sweep point
+POINT_COLUMNS = (
     Column("method", "method", "text", 0, "left"),
     Column("shared_tokens", "shared tokens", "int", 1),
     Column("qps", "QPS", "num", 0),
-    Column("util_cell", "util", "raw", 0),
-    Column("reuse_ratio", "rho", "rho", 0),
-    Column("rho_target", "rho set", "rho", 2),
-    Column("ttft_p50_s", "TTFT p50", "s", 0),
-    Column("ttft_p50_queue_s", "p50 queue", "s", 1),
-    Column("ttft_p90_s", "p90", "s", 0),
-    Column("ttft_p90_queue_s", "p90 queue", "s", 2),
-    Column("ttft_p99_s", "p99", "s", 4),
-    Column("ttft_mean_s", "mean", "s", 7),
-    Column("throughput_tok_s", "tok/s", "num", 6),
-    Column("peak_mem_bytes", "peak MiB", "MiB", 5),
-    Column("kv_state_peak_bytes", "KV+state MiB", "MiB", 7),
-    Column("service_e2e_mean_s", "svc s", "s", 3),
 )
-#: columns left out of a console table when no row has a value (``rho set`` without --matched-rho)
-OPTIONAL_SWEEP_COLUMNS = ("rho_target",)
+#: the serve-sweep table: the point, its utilization, then every figure with a ``sweep`` view
+SWEEP_COLUMNS = LiveSequence(lambda: figure_columns("sweep", (*POINT_COLUMNS, Column("util_cell", "util", "raw", 0))))
+
 
 #: where each point's TTFT goes: the columns of :func:`kvcmas_bench.serving.metrics.ttft_breakdown`
-TTFT_SPLIT_COLUMNS = (
-    Column("method", "method", "text", 0, "left"),
-    Column("shared_tokens", "shared tokens", "int", 1),
-    Column("qps", "QPS", "num", 0),
-    Column("reuse_ratio", "rho", "rho", 0),
-    Column("ttft_p50_s", "TTFT p50", "s", 0),
-    Column("ttft_p50_service_s", "svc", "s", 0),
-    Column("ttft_p50_service_shared_dense_s", "svc dense", "s", 3),
-    Column("ttft_p50_service_shared_reuse_s", "svc reuse", "s", 3),
-    Column("ttft_p50_queue_s", "queue", "s", 0),
-    Column("ttft_p50_queue_dense_s", "q behind dense", "s", 2),
-    Column("ttft_p90_s", "p90", "s", 0),
-    Column("ttft_p90_service_s", "p90 svc", "s", 1),
-    Column("ttft_p90_queue_s", "p90 queue", "s", 1),
-    Column("ttft_p90_queue_dense_s", "p90 q behind dense", "s", 4),
-    Column("queue_dense_share", "share of queue behind dense", "rho", 0),
-    Column("dense_fallback_share", "dense fallback reqs", "rho", 5),
-)
+TTFT_SPLIT_COLUMNS = LiveSequence(lambda: figure_columns("ttft_split", POINT_COLUMNS))
 TTFT_SPLIT_NOTE = (
     "TTFT pXX = svc + queue, the parts of the request(s) at that rank. svc: the request's own service (svc dense: "
     "its shared segments prefilled densely; svc reuse: reused/corrected/recomputed ones incl. gate and reference; "
@@ -272,9 +237,7 @@ def print_sweep_table(summary: dict, console: Console) -> None:
             f"rho {matched['recompute']:g} for the recomputation methods; rho = realized, rho set = target"
         )
         note = line if note is None else line + "\n" + note
-    cols = [
-        c for c in SWEEP_COLUMNS if c.key not in OPTIONAL_SWEEP_COLUMNS or any(r.get(c.key) is not None for r in rows)
-    ]
+    cols = [c for c in SWEEP_COLUMNS if not c.optional or any(r.get(c.key) is not None for r in rows)]
     console.print(fitted_table(console, title, cols, rows, note, "summary.json"))
     if any(r.get("ttft_p50_service_s") is not None for r in rows):
         split_title = "where the TTFT goes (s): own service + queueing, at p50 and p90"

@@ -5,6 +5,7 @@ attention, MLP) over a preallocated per-request cache whose row index equals the
 That one loop serves dense prefill, partial forwards of chosen tokens through chosen layers, and
 decode, so every method is executed and measured by the same code. Methods decide how each shared
 (PH) segment is materialized through :class:`SegmentContext`; the engine never knows which method runs.
+The data it runs on (segments, requests, caches, results) is :mod:`kvcmas_bench.segments`.
 """
 
 from __future__ import annotations
@@ -14,222 +15,24 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .memory import peak_rss
 from .modeling import check_supported
-from .ops.kvmath import rotate_half, shift_keys
-from .results.request import SegmentRecord
-
-
-class _Uids:
-    """Process-wide identities of materializations; a resumed run continues after the saved ones."""
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def __call__(self) -> int:
-        self.next += 1
-        return self.next - 1
-
-    def advance(self, to: int) -> None:
-        self.next = max(self.next, int(to))
-
-
-UIDS = _Uids()
-
-
-@dataclass
-class Segment:
-    """One token-exact piece of a prompt: agent-specific (PF) or shared (PH, with a slot id)."""
-
-    kind: str
-    ids: list[int]
-    slot: str | None = None
-    source: str | None = None
-    name: str = ""
-    #: input embeddings ``[S, hidden]`` fed instead of the token embeddings (visual tokens); ``ids``
-    #: then holds placeholder ids of the same length, for bookkeeping and identity
-    embeds: torch.Tensor | None = None
-    #: identity of the content when ``ids`` do not carry it (visual segments: the image or video key)
-    content_key: str | None = None
-    #: a controlled reuse decision (serve-sweep ``--rho`` for every method): "dense" makes reuse
-    #: methods prefill this segment densely (as a fallback), "reuse" makes gated methods reuse it
-    #: whatever their gate says; None: the method decides
-    schedule: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.embeds is not None and self.embeds.shape[0] != len(self.ids):
-            raise ValueError("embeds must have one row per segment id")
-        if self.kind not in ("PF", "PH"):
-            raise ValueError(f"segment kind must be PF or PH, not {self.kind!r}")
-        if self.kind == "PH" and not self.slot:
-            raise ValueError("a PH segment needs a slot id")
-        if self.schedule not in (None, "dense", "reuse"):
-            raise ValueError(f"segment schedule must be dense, reuse or None, not {self.schedule!r}")
-
-
-@dataclass
-class Request:
-    agent: str
-    segments: list[Segment]
-    max_new_tokens: int = 32
-    #: the workflow node issuing the request (role + position); None outside a workflow
-    node: str | None = None
-
-    @property
-    def consumer(self) -> str:
-        """Who consumes the request's shared segments: its workflow node, else its agent."""
-        return self.node or self.agent
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return [t for s in self.segments for t in s.ids]
-
-
-@dataclass
-class SegmentKV:
-    """Per-layer K/V of one segment, ``[layers, kv_heads, tokens, head_dim]``, at positions start.."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    start: int
-    ids: tuple[int, ...]
-    slot: str | None = None
-    agent: str | None = None
-    status: str = "exact"
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-    #: identity of the materialization this cache (or its re-aligned view) comes from
-    uid: int = field(default_factory=UIDS)
-    #: the workflow node that materialized it
-    node: str | None = None
-
-    @property
-    def length(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def nbytes(self) -> int:
-        n = self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-        return n + sum(h.numel() * h.element_size() for h in self.hidden.values())
-
-    def detach(self) -> None:
-        """Own copies of K and V instead of views (of a request cache it was written into)."""
-        self.k, self.v = self.k.clone(), self.v.clone()
-
-    def aligned(self, start: int, inv_freq: torch.Tensor) -> SegmentKV:
-        """The same cache with keys rotated so the segment begins at ``start``."""
-        return SegmentKV(
-            k=shift_keys(self.k, start - self.start, inv_freq),
-            v=self.v,
-            start=start,
-            ids=self.ids,
-            slot=self.slot,
-            agent=self.agent,
-            status=self.status,
-            hidden=self.hidden,
-            uid=self.uid,
-            node=self.node,
-        )
-
-
-class KVCache:
-    """Preallocated per-request cache; row index == absolute position."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
-        shape = (layers, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = 0
-
-    @property
-    def nbytes_used(self) -> int:
-        per_row = self.k[:, :, :1].numel() * self.k.element_size() * 2
-        return per_row * self.length
-
-    def write(self, kv: SegmentKV) -> None:
-        s, e = kv.start, kv.start + kv.length
-        if not self.holds(kv):
-            self.k[:, :, s:e] = kv.k.to(self.k.dtype)
-            self.v[:, :, s:e] = kv.v.to(self.v.dtype)
-        self.length = max(self.length, e)
-
-    def rows(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of rows ``start .. end`` (K, V): where a method may write a segment in place."""
-        return self.k[:, :, start:end], self.v[:, :, start:end]
-
-    def holds(self, kv: SegmentKV) -> bool:
-        """Whether ``kv`` is this cache's own rows at its positions (written in place)."""
-        k, v = self.rows(kv.start, kv.start + kv.length)
-        return kv.k.data_ptr() == k.data_ptr() and kv.v.data_ptr() == v.data_ptr() and kv.k.stride() == k.stride()
-
-    def segment(self, start: int, end: int, **meta) -> SegmentKV:
-        return SegmentKV(k=self.k[:, :, start:end].clone(), v=self.v[:, :, start:end].clone(), start=start, **meta)
-
-
-class CacheRows:
-    """The cache rows a partial forward computes (absolute positions, any order) and the causal
-    mask of their queries over every row up to the last one: the attention step every engine that
-    runs layers over a :class:`KVCache` shares."""
-
-    def __init__(self, positions: torch.Tensor):
-        self.positions = positions
-        T = positions.numel()
-        self.p0, self.p1 = int(positions[0]), int(positions[-1])
-        self.contiguous = self.p1 - self.p0 + 1 == T and bool((positions.diff() == 1).all()) if T > 1 else True
-        self.kmax = int(positions.max()) + 1
-        self.mask = None
-        if T > 1 or self.kmax > self.p1 + 1:
-            key_pos = torch.arange(self.kmax, device=positions.device)
-            self.mask = key_pos[None, :] <= positions[:, None]
-
-    def attend(
-        self, cache: KVCache, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, probe=None
-    ) -> torch.Tensor:
-        """Write layer ``li``'s ``k``/``v`` (``[1, kv_heads, T, D]``) at these rows, then attend ``q``
-        (``[1, heads, T, D]``) causally over rows ``[0, kmax)``; returns ``[1, heads, T, D]``."""
-        if self.contiguous:
-            cache.k[li, :, self.p0 : self.p1 + 1] = k[0]
-            cache.v[li, :, self.p0 : self.p1 + 1] = v[0]
-        else:
-            cache.k[li][:, self.positions] = k[0]
-            cache.v[li][:, self.positions] = v[0]
-        K = cache.k[li, :, : self.kmax][None]
-        V = cache.v[li, :, : self.kmax][None]
-        if probe is not None:
-            probe(li, q, K, self.mask, scale)
-        return F.scaled_dot_product_attention(q, K, V, attn_mask=self.mask, scale=scale, enable_gqa=True)
-
-
-@dataclass
-class RequestResult:
-    agent: str
-    output_ids: list[int]
-    ttft_s: float
-    e2e_s: float
-    prompt_tokens: int
-    prefilled_tokens: int
-    reused_tokens: int
-    reference_tokens: int
-    recomputed_token_layers: int
-    eligible_tokens: int
-    segments: list[SegmentRecord]
-    materialized: dict[str, SegmentKV]
-    output_kv: SegmentKV | None
-    kv_bytes: int
-    peak_rss_bytes: int
-    device_peak_bytes: int | None
-    first_token: int | None = None
-    #: seconds of deferred work after the first token (anchor construction), inside E2E
-    deferred_s: float = 0.0
-    first_logits: torch.Tensor | None = None
-    fidelity: dict | None = None
+from .ops.kvmath import rotate_half
+from .results.request import RequestRecord, SegmentRecord
+from .segments import CacheRows, HeadReduction, KVCache, Request, RequestResult, Segment, SegmentKV
 
 
 @dataclass
 class _PrefillState:
-    """Counters and products of one request's prefill."""
+    """One request's prefill: what it runs (the request, the method, the sources of its shared
+    slots, its cache, whether fidelity is measured), its counters and its products."""
 
+    request: Request
+    method: object
+    sources: dict[str, SegmentKV]
+    cache: KVCache
+    fidelity: bool = False
     prefilled: int = 0
     reused: int = 0
     reference: int = 0
@@ -243,7 +46,7 @@ class _PrefillState:
     reference_kv: object = None
 
     def counts(self) -> dict:
-        """The request result's token counts, segment records and materialized segments."""
+        """The request record's token counts and segment records."""
         return {
             "prefilled_tokens": self.prefilled,
             "reused_tokens": self.reused,
@@ -251,7 +54,6 @@ class _PrefillState:
             "recomputed_token_layers": self.recomputed,
             "eligible_tokens": self.eligible,
             "segments": self.records,
-            "materialized": self.materialized,
         }
 
     def add_segment(self, kv: SegmentKV, ctx: SegmentContext, eligible: bool) -> int:
@@ -269,27 +71,9 @@ class _PrefillState:
         return reused
 
 
-@dataclass
-class PromptPiece:
-    """One span of a prompt in a whole-prompt pass (:meth:`~kvcmas_bench.methods.base.Method.materialize_prompt`):
-    rows ``start .. start + length`` with their input embeddings ``x`` (``[1, S, hidden]``), and
-    ``old``, the aligned source K/V the method may reuse (None: every row computed at every layer)."""
-
-    start: int
-    x: torch.Tensor
-    old: SegmentKV | None = None
-    #: set by the pass: "exact" (computed), "recomputed" (partly) or "reused" (as is)
-    status: str = "exact"
-    #: set by the pass: (token, layer) entries of a reused piece it recomputed
-    recomputed_token_layers: int = 0
-
-    @property
-    def length(self) -> int:
-        return self.x.shape[1]
-
-
-class SegmentContext:
-    """What a method sees and may ask of the engine while materializing one PH segment."""
+class SegmentContext(HeadReduction):
+    """What a method sees and may ask of the engine while materializing one PH segment (this process
+    holds every KV head: the :class:`~kvcmas_bench.segments.HeadReduction` default)."""
 
     def __init__(
         self, engine: Engine, cache: KVCache, request: Request, segment: Segment, start: int, source: SegmentKV | None
@@ -343,16 +127,6 @@ class SegmentContext:
         )
         self.prefilled += self.length
         return kv
-
-    #: how many tensor-parallel ranks hold this cache's KV heads between them (each rank sees its own
-    #: heads only; 1: this process holds them all)
-    head_shards: int = 1
-
-    def reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
-        """A figure summed over this rank's KV heads, summed over every rank's (the same tensor on
-        every rank): what makes a distance over all heads, and the decision taken on it, rank-independent.
-        Identity on one device."""
-        return t
 
     def aligned_source(self) -> SegmentKV:
         """The source segment's cache, keys rotated to this segment's positions."""
@@ -425,8 +199,9 @@ class SegmentContext:
         """``kv`` with layer 0 recomputed exactly (layer-0 K/V depend only on tokens and positions):
         here a forward of the segment's tokens through layer 0 over the request cache, counted as
         recomputation (S token-layers: not served by reuse, so outside rho's numerator).
-        ``reference`` (any cache of the same tokens) is for engines without a partial forward, which
-        take layer 0 from it re-aligned (counted alike, so rho means the same on both engines)."""
+        ``reference`` (any cache of the same tokens) is not read here: it is for engines without a
+        partial forward (:class:`~kvcmas_bench.serving.vllm.flow.PlanContext`), which take layer 0
+        from it re-aligned (counted alike, so rho means the same on both engines)."""
         self.write(kv)
         self.forward(self.embed(), range(self.length), [0])
         return self.current(kv.status)
@@ -440,12 +215,14 @@ def _prompt_length(request: Request) -> int:
     return sum(len(s.ids) for s in segs)
 
 
-def _first_token_fidelity(reference_kv, logits: torch.Tensor) -> dict:
-    """With fidelity: the first token's logits and their agreement with the dense reference's."""
+def _fidelity(reference_kv, logits: torch.Tensor, segments: list[SegmentRecord]) -> dict:
+    """With fidelity: the request record's agreement of the first token with the dense reference's
+    (``top1_agree``, ``first_token_kl``) and the mean ``kv_rel_error`` of its shared segments (every
+    one: the first agent's correction error of a non-chained method too)."""
     from .fidelity import request_fidelity
 
-    fid = request_fidelity(reference_kv.logits, logits)
-    return {"first_logits": logits.detach().cpu(), "fidelity": fid}
+    errs = [s.kv_rel_error for s in segments if s.kv_rel_error is not None]
+    return {**request_fidelity(reference_kv.logits, logits), "kv_rel_error": (sum(errs) / len(errs)) if errs else None}
 
 
 def _ph_record(ctx: SegmentContext, kv: SegmentKV, eligible: bool, reused: int, took: float) -> SegmentRecord:
@@ -628,35 +405,37 @@ class Engine:
         """
         prompt_len = _prompt_length(request)
         cache = self.new_cache(prompt_len + request.max_new_tokens + 1)
-        st = _PrefillState()
+        st = _PrefillState(request, method, sources or {}, cache, fidelity)
         if fidelity:  # the full dense prefill every segment and the first token are compared with
             from .fidelity import dense_reference
 
             st.reference_kv = dense_reference(self, request.prompt_ids, self.prompt_embeds(request))
         t0 = self.now()
-        h = self._prefill(request, method, sources or {}, cache, st, fidelity)
+        h = self._prefill(st)
         logits = self.logits(h[:, -1:])[0, -1]
         ttft = self.now() - t0 - st.excluded
         deferred_s = self._run_deferred(st)
         first = int(logits.argmax())
-        out, output_kv = self._decode(cache, request, method, first, prompt_len, keep_output_kv)
+        out, output_kv = self._decode(st, first, prompt_len, keep_output_kv)
         e2e = self.now() - t0 - st.excluded
-        fid = _first_token_fidelity(st.reference_kv, logits) if fidelity else {}
-        return RequestResult(
+        fid = _fidelity(st.reference_kv, logits, st.records) if fidelity else {}
+        record = RequestRecord(
             agent=request.agent,
-            output_ids=out,
             ttft_s=ttft,
             e2e_s=e2e,
+            deferred_s=deferred_s,
+            node=request.node,
             prompt_tokens=prompt_len,
+            output_tokens=len(out),
             **st.counts(),
-            output_kv=output_kv,
             kv_bytes=cache.nbytes_used,
             peak_rss_bytes=self.peak_rss(),
             device_peak_bytes=self.device_peak(),
-            first_token=first,
-            deferred_s=deferred_s,
+            first_token_id=first,
             **fid,
         )
+        first_logits = logits.detach().cpu() if fidelity else None
+        return RequestResult(record, out, st.materialized, output_kv, first_logits)
 
     def _run_deferred(self, st: _PrefillState) -> float:
         """The work the method deferred past the first token (anchor construction); its seconds."""
@@ -665,44 +444,33 @@ class Engine:
             fn()
         return self.now() - td
 
-    def _prefill(
-        self, request: Request, method, sources: dict[str, SegmentKV], cache: KVCache, st: _PrefillState, fidelity: bool
-    ) -> torch.Tensor:
-        """Every segment in order: PF densely, PH through ``method``; returns the last hidden states."""
+    def _prefill(self, st: _PrefillState) -> torch.Tensor:
+        """Every segment in order: PF densely, PH through the method; returns the last hidden states."""
         h = None
         pos = 0
-        for seg in request.segments:
+        for seg in st.request.segments:
             S = len(seg.ids)
             if seg.kind == "PF":
                 if S:
-                    _, h = self.prefill(cache, seg.ids, pos, agent=request.agent, embeds=seg.embeds)
+                    _, h = self.prefill(st.cache, seg.ids, pos, agent=st.request.agent, embeds=seg.embeds)
                     st.prefilled += S
                 st.records.append(SegmentRecord(kind="PF", name=seg.name, tokens=S, status="exact"))
             else:
-                st.records.append(self._materialize(request, seg, pos, method, sources, cache, st, fidelity))
+                st.records.append(self._materialize(st, seg, pos))
             pos += S
         return h
 
-    def _materialize(
-        self,
-        request: Request,
-        seg: Segment,
-        pos: int,
-        method,
-        sources: dict[str, SegmentKV],
-        cache: KVCache,
-        st: _PrefillState,
-        fidelity: bool,
-    ) -> SegmentRecord:
-        """One PH segment: the method decides, the engine writes, counts and (optionally) compares:
-        with the full dense prefill's rows (``kv_rel_error``, ...) and with a dense prefill of the
-        segment over the cache as built so far (``local_kv_rel_error``)."""
+    def _materialize(self, st: _PrefillState, seg: Segment, pos: int) -> SegmentRecord:
+        """One PH segment at ``pos``: the method decides, the engine writes, counts and (optionally)
+        compares: with the full dense prefill's rows (``kv_rel_error``, ...) and with a dense prefill
+        of the segment over the cache as built so far (``local_kv_rel_error``)."""
         S = len(seg.ids)
-        exact = self._dense_segment(request, seg, pos, cache, st) if fidelity else None
-        ctx = SegmentContext(self, cache, request, seg, pos, sources.get(seg.slot))
-        eligible = bool(method.eligible(ctx.source is not None))  # fixed before the method runs
+        request, cache = st.request, st.cache
+        exact = self._dense_segment(st, seg, pos) if st.fidelity else None
+        ctx = SegmentContext(self, cache, request, seg, pos, st.sources.get(seg.slot))
+        eligible = bool(st.method.eligible(ctx.source is not None))  # fixed before the method runs
         t0 = self.now()
-        kv = method.materialize(ctx)
+        kv = st.method.materialize(ctx)
         took = self.now() - t0
         if kv.length != S or kv.start != pos:
             raise RuntimeError(f"method returned a segment of {kv.length} rows at {kv.start}, expected {S} at {pos}")
@@ -716,24 +484,26 @@ class Engine:
             _add_errors(rec, kv, exact, st.reference_kv.rows(pos, S))
         return rec
 
-    def _dense_segment(self, request: Request, seg: Segment, pos: int, cache: KVCache, st: _PrefillState) -> SegmentKV:
+    def _dense_segment(self, st: _PrefillState, seg: Segment, pos: int) -> SegmentKV:
         """With fidelity: the segment prefilled densely over the cache as built so far, its rows then
         cleared for the method; the time it takes is excluded from TTFT and E2E."""
         tf = self.now()
-        exact, _ = self.prefill(cache, seg.ids, pos, agent=request.agent, embeds=seg.embeds)
+        cache = st.cache
+        exact, _ = self.prefill(cache, seg.ids, pos, agent=st.request.agent, embeds=seg.embeds)
         cache.k[:, :, pos : pos + len(seg.ids)] = 0
         cache.v[:, :, pos : pos + len(seg.ids)] = 0
         st.excluded += self.now() - tf
         return exact
 
     def _decode(
-        self, cache: KVCache, request: Request, method, token: int, prompt_len: int, keep_output_kv: bool
+        self, st: _PrefillState, token: int, prompt_len: int, keep_output_kv: bool
     ) -> tuple[list[int], SegmentKV | None]:
         """Greedy decode from the first token; the output's own cache (and the hidden states the
         method asks for) become the source of ``out:<agent>`` for later agents."""
+        cache, request = st.cache, st.request
         out: list[int] = []
         fed = prompt_len
-        keep = tuple(getattr(method, "decode_hidden_layers", ()) or ())
+        keep = tuple(getattr(st.method, "decode_hidden_layers", ()) or ())
         out_hidden: dict[int, list[torch.Tensor]] = {li: [] for li in keep}
 
         def feed(tok: int) -> torch.Tensor:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .engine import Engine, Request, RequestResult, Segment, SegmentKV
+from .engine import Engine
 from .results.request import RequestRecord
+from .segments import Request, RequestResult, Segment, SegmentKV
 from .workloads.base import Role, Sample, Workload
 
 _MARK = "\x00{}\x00"
@@ -301,39 +302,19 @@ def request_records(run: UnitRun, layers: int, **ids) -> list[RequestRecord]:
 
 def step_record(step: AgentStep, i: int, layers: int, **ids) -> RequestRecord:
     """The :class:`RequestRecord` of ``step``, the ``i``-th executed node of its run (a serving engine
-    records each step as it finishes, without going over the earlier ones again)."""
-    r = step.result
-    rec = RequestRecord(
+    records each step as it finishes, without going over the earlier ones again): the engine's
+    record of the request with the step's own fields (``ids``: sample or trajectory keys)."""
+    r = step.result.record
+    return replace(
+        r,
         agent=step.role.name,
-        ttft_s=r.ttft_s,
-        e2e_s=r.e2e_s,
-        deferred_s=r.deferred_s,
         step=i,
         node=step.node.id,
         **ids,
-        prompt_tokens=r.prompt_tokens,
-        output_tokens=len(r.output_ids),
-        prefilled_tokens=r.prefilled_tokens,
-        reused_tokens=r.reused_tokens,
-        eligible_tokens=r.eligible_tokens,
-        reference_tokens=r.reference_tokens,
-        recomputed_token_layers=r.recomputed_token_layers,
         layers=layers,
-        kv_bytes=r.kv_bytes,
         shared_store_bytes=step.shared_store_bytes,
         method_state_bytes=step.method_state_bytes,
         kv_state_bytes=r.kv_bytes + step.shared_store_bytes + step.method_state_bytes,
-        peak_rss_bytes=r.peak_rss_bytes,
-        device_peak_bytes=r.device_peak_bytes,
-        segments=r.segments,
         output=step.text,
-        first_token_id=r.first_token,
         method_stats=dict(step.method_stats),
     )
-    if r.fidelity is not None:
-        # every shared segment: the first agent's correction error of a non-chained method too
-        errs = [s.kv_rel_error for s in r.segments if s.kv_rel_error is not None]
-        rec.top1_agree = r.fidelity["top1_agree"]
-        rec.first_token_kl = r.fidelity["first_token_kl"]
-        rec.kv_rel_error = (sum(errs) / len(errs)) if errs else None
-    return rec

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .engine import Engine, Segment, SegmentKV
+from .engine import Engine
 from .errors import BenchError
 from .modeling_vlm import VisualInput, VisualProcessor, encode_visual
+from .segments import Segment, SegmentKV
 from .workflow import _MARK, Node, SharedRef, UnitRun, Workflow, execute, out_slot, render_segments
 from .workloads.base import Sample
 

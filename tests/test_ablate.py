@@ -74,7 +74,7 @@ def test_tau_sweep_writes_its_table_and_figures(tau_sweep):
     )
     assert (t["n"] == 3).all() and (t["answer_agreement"].notna()).all()
     k = t[t["method"] == "kvcmas"].set_index("point")
-    assert {"gate", "tau", "reuse_ratio", "kv_rel_error", "ttft_s", "first_token_agreement"} <= set(t.columns)
+    assert {"gate", "tau", "reuse_ratio", "kv_rel_error", "ttft_mean_s", "first_token_agreement"} <= set(t.columns)
     # tau = 1 accepts every gated decision: at least the reuse of tau = 0.2, under each gate
     for gate in ("paper", "scaled"):
         lo, hi = k.loc[f"kvcmas-{gate}-tau0.2"], k.loc[f"kvcmas-{gate}-tau1"]
@@ -183,7 +183,7 @@ def test_rank_agents_and_rounds_sweeps(tiny_model_dir, tmp_path, kind, extra, po
     assert (out / "figures" / f"mmlu_{kind}.png").exists()
     fig, axes = sweep_figure(t.assign(**({"r_C": t["r_C"], "r_D": t["r_D"]} if kind == "rank" else {})), kind, "t")
     method = points[0].split("-")[0]
-    metric = {"rank": "answer_agreement", "agents": "ttft_s", "rounds": "ttft_s"}[kind]
+    metric = {"rank": "answer_agreement", "agents": "ttft_mean_s", "rounds": "ttft_mean_s"}[kind]
     ax = axes[0]
     xs, ys = _lines(ax)[f"{metric}:{method}"]
     assert xs == x

@@ -119,6 +119,27 @@ def test_no_import_circle_among_the_package_modules():
     assert cycles(graph) == []
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or not."""
+    seen, todo = set(), [start]
+    while todo:
+        mod = todo.pop()
+        if mod not in seen:
+            seen.add(mod)
+            todo.extend(graph[mod])
+    return seen - {start}
+
+
+def test_the_in_process_path_imports_no_vllm_code_and_the_data_types_no_engine():
+    """The in-process engine, the workflow and the methods run without the vLLM package's code (its
+    hooks, e.g. tensor-parallel head reduction, live under serving/vllm); segments, requests and
+    caches (``kvcmas_bench.segments``) load without the engine and the model code."""
+    graph = import_graph()
+    for start in ("kvcmas_bench.engine", "kvcmas_bench.workflow", "kvcmas_bench.methods", "kvcmas_bench.calibration"):
+        assert not {m for m in reachable(graph, start) if m.startswith("kvcmas_bench.serving.vllm")}, start
+    assert not reachable(graph, "kvcmas_bench.segments") & {"kvcmas_bench.engine", "kvcmas_bench.modeling"}
+
+
 # ---- a method added from this file only ---------------------------------------------------------
 @dataclass
 class ScaledReuse(Method):
@@ -296,7 +317,7 @@ def test_a_method_and_workload_defined_here_reach_table1_and_the_figures(tmp_pat
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_rgba
 
-    fig, ax = pareto_axes(t, "latency_s", "accuracy", "t")
+    fig, ax = pareto_axes(t, "latency_mean_s", "accuracy", "t")
     drawn = {a.get_gid(): a for a in ax.get_children() if a.get_gid()}
     assert tuple(drawn["point:toy"].get_edgecolor()[0]) == pytest.approx(to_rgba("C9"))
     assert drawn["label:toy"].get_text() == "Toy (test)"

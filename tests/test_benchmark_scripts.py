@@ -185,3 +185,49 @@ def test_profile_anchor_insert_runs_on_a_small_shape(monkeypatch, capsys):
     for line in ("svd=subspace, anchors the model's (bfloat16)", "svd=gram", "bfloat16 Gram: four stacks"):
         assert line in out
     assert int(out.rsplit("operator calls: ", 1)[1].split()[0]) > 100
+
+
+def test_serve_sweep_qps_grid_ends_on_the_first_saturating_point():
+    """QPS = utilization / NonShared's trajectory service time (2 s here), sorted, up to the first
+    utilization >= 1 (nudged up so that it counts as saturated); 1 is appended when none is listed."""
+    from serve_sweep import qps_grid
+
+    assert qps_grid("0.5,0.25", 2.0) == [0.125, 0.25, 0.5 * (1 + 1e-9)]
+    assert qps_grid("1.5,0.25,1.0,0.5", 2.0) == [0.125, 0.25, 0.5 * (1 + 1e-9)]  # 1.5 is past the end
+    assert qps_grid("2", 2.0) == [1.0 * (1 + 1e-9)]
+
+
+def test_serve_sweep_speedups_are_other_over_kvcmas_at_the_chosen_qps():
+    from serve_sweep import kvcmas_speedups
+
+    row = lambda p50, p90, util=None: {"ttft_p50_s": p50, "ttft_p90_s": p90, "utilization": util}  # noqa: E731
+    by = {("nonshared", 4.0): row(0.8, 3.0, 0.9), ("kvcmas", 4.0): row(0.2, 1.0), ("fullshared", 4.0): row(0.1, 2.0)}
+    said = []
+    fig = kvcmas_speedups(SimpleNamespace(print=said.append), ["nonshared", "kvcmas", "fullshared"], by, 4.0)
+    assert fig == {"utilization": 0.9, "speedup": {"nonshared": (4.0, 3.0), "fullshared": (0.5, 2.0)}}
+    assert said[0].endswith("at QPS 4, the highest NonShared sustains (utilization 0.90):")
+    assert said[1:] == [
+        "  vs nonshared    p50 4.00x   p90 3.00x  (goal >= 2x)",
+        "  vs fullshared   p50 0.50x   p90 2.00x",
+    ]
+
+
+def test_serve_sweep_vllm_measurement_dirs(tmp_path):
+    """--report-only reads the repeat-<n> directories in numeric order (else the root); a run
+    measures into the root or repeat-1 .. repeat-N."""
+    from serve_sweep_vllm import Bench, parse_args
+
+    def roots(*argv):
+        return Bench(parse_args(["-o", str(tmp_path), *argv]), None, None, []).roots()
+
+    assert roots("--report-only") == [tmp_path]
+    for name in ("repeat-10", "repeat-2", "repeat-1", "repeat-x"):
+        (tmp_path / name).mkdir()
+    assert roots("--report-only") == [tmp_path / f"repeat-{i}" for i in (1, 2, 10)]
+    assert roots() == [tmp_path]
+    assert roots("--repeats", "3") == [tmp_path / f"repeat-{i}" for i in (1, 2, 3)]
+    b = Bench(
+        parse_args(["--shared-tokens", "64, 32,", "--qps-factors", "0.5,2", "--engine-arg", "a=b=c"]), None, None, []
+    )
+    b.parse_lists()
+    assert (b.lengths, b.factors, b.engine_options) == ([64, 32], [0.5, 2.0], {"a": "b=c"})

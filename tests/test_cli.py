@@ -51,7 +51,7 @@ def test_run_writes_all_outputs(tiny_model_dir, tmp_path):
     assert {"prediction", "gold", "correct", "latency_s"} <= samples[0].keys()
     assert {"agent", "ttft_s", "e2e_s", "prefilled_tokens", "reused_tokens"} <= reqs[0].keys()
     summary = json.loads((out / "summary.json").read_text())
-    for k in ("method", "workload", "n", "accuracy", "latency_s", "ttft_s", "peak_mem_bytes", "reuse_ratio"):
+    for k in ("method", "workload", "n", "accuracy", "latency_mean_s", "ttft_mean_s", "peak_mem_bytes", "reuse_ratio"):
         assert k in summary
     assert summary["n"] == 2 and summary["reuse_ratio"] == 1.0
     # the first agent never reuses; later agents reuse every shared token under FullShared

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from kvcmas_bench.calibration import Recorder
-from kvcmas_bench.engine import Engine, Request, Segment
+from kvcmas_bench.engine import Engine
 from kvcmas_bench.methods import METHODS, get_method
 from kvcmas_bench.ops.kvmath import relative_error
+from kvcmas_bench.segments import Request, Segment
 
 from .conftest import LLAMA3_ROPE, rand_ids, run_cli, smooth_tiny_model, tiny_model
 from .test_engine import PIECES, segmentwise_logits
@@ -113,7 +114,7 @@ def test_every_method_on_cuda_follows_its_cpu_run(pair, name):
     if name in OWN_STATUS:  # the method's own path ran, not only dense fallbacks
         assert OWN_STATUS[name] in [r.segments[1].status for r in runs["cuda"]]
     for c, g in zip(runs["cpu"], runs["cuda"]):
-        assert g.first_token == c.first_token
+        assert g.first_token_id == c.first_token_id
         assert [s.status for s in g.segments] == [s.status for s in c.segments]
         ec, eg = c.segments[1].kv_rel_error, g.segments[1].kv_rel_error
         assert abs(eg - ec) <= 1e-3 * ec + 1e-5, (name, ec, eg)
@@ -129,7 +130,7 @@ def test_kvcmas_exact_anchor_on_cuda_reproduces_dense(pair):
     assert [r.segments[1].status for r in res[1:]] == ["corrected"] * (len(NODES) - 1)
     for node, r in zip(NODES, res):
         dense = eng.run(chain_request(node, q), get_method("nonshared"))
-        assert r.first_token == dense.first_token
+        assert r.first_token_id == dense.first_token_id
         assert r.segments[1].kv_rel_error < 1e-4
 
 

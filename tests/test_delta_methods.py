@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvcmas_bench.calibration import Recorder, tau_for_reuse
-from kvcmas_bench.engine import Request, Segment
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import AnchorPool
 from kvcmas_bench.ops.kvmath import relative_error
@@ -21,6 +20,7 @@ from kvcmas_bench.ops.lowrank import (
     to_rows,
     truncated_svd,
 )
+from kvcmas_bench.segments import Request, Segment
 
 from .conftest import rand_ids
 from .slow_reference import token_sqdist, weighted_lowrank
@@ -176,7 +176,7 @@ def test_nonfinite_correction_falls_back_to_dense(engine, part):
     res = engine.run(rb, m, sources={"q": a.materialized["q"]}, fidelity=True)
     assert res.segments[1].status == "exact" and m.stats["nonfinite_fallback"] == 1
     assert res.segments[1].kv_rel_error < 1e-6
-    assert res.first_token == engine.run(rb, get_method("nonshared")).first_token
+    assert res.first_token_id == engine.run(rb, get_method("nonshared")).first_token_id
     assert bool(torch.isfinite(res.materialized["q"].k).all() and torch.isfinite(res.materialized["q"].v).all())
 
 

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from kvcmas_bench.engine import Request, Segment
 from kvcmas_bench.methods import get_method
 from kvcmas_bench.methods.anchors import AnchorPool, stack_b
 from kvcmas_bench.ops.kvmath import relative_error, shift_keys
@@ -29,6 +28,7 @@ from kvcmas_bench.ops.lowrank import (
     truncated_svd_gram,
     truncated_svd_subspace,
 )
+from kvcmas_bench.segments import Request, Segment
 
 from .conftest import rand_ids
 from .slow_reference import reference_correction
@@ -446,7 +446,7 @@ def test_correction_is_written_into_the_request_cache_and_detached_after_the_fir
     """No segment-sized buffer before the first token: the corrected rows are the request cache's
     own; after the first token the materialized segment owns a copy of exactly its rows (it must
     not pin the whole request cache), with the same values."""
-    from kvcmas_bench.engine import KVCache, SegmentKV
+    from kvcmas_bench.segments import KVCache, SegmentKV
 
     q = rand_ids(20, 35)
     ra, rb = _requests(q)
@@ -516,6 +516,6 @@ def test_subspace_and_gram_factorizations_give_the_same_chain(engine, monkeypatc
     assert statuses == [[s.status for s in r.segments] for r in runs["subspace"]]
     assert sum(st.count("corrected") for st in statuses) >= 3
     for a, b in zip(runs["gram"], runs["subspace"]):
-        assert a.first_token == b.first_token
+        assert a.first_token_id == b.first_token_id
         ea, eb = a.segments[1].kv_rel_error, b.segments[1].kv_rel_error
         assert abs(ea - eb) <= 1e-3 * max(ea, 1e-6) + 1e-6

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from kvcmas_bench.calibration import Recorder
-from kvcmas_bench.engine import Engine, Request, Segment
+from kvcmas_bench.engine import Engine
 from kvcmas_bench.errors import OptionError
 from kvcmas_bench.methods import get_method, resolve_method
 from kvcmas_bench.methods.anchors import AnchorPool
 from kvcmas_bench.ops.kvmath import shift_keys
 from kvcmas_bench.results.request import RequestRecord
 from kvcmas_bench.results.summary import accounting, fidelity, records_frame, reuse_ratio
+from kvcmas_bench.segments import Request, Segment
 from kvcmas_bench.workloads import get_workload
 
 from .conftest import interrupt_on_call, rand_ids, run_cli, smooth_tiny_model
@@ -329,17 +330,17 @@ def test_summary_figures_carry_their_uncertainty_under_one_name_each():
     # accuracy 3/4: SE sqrt(0.75 * 0.25 / 4) = 0.2165; Wilson 95% roots of (0.75 - x)^2 = z^2 x (1 - x) / 4
     assert s["accuracy"] == 0.75 and s["accuracy_se"] == pytest.approx(0.216506, abs=1e-6)
     assert (s["accuracy_ci_low"], s["accuracy_ci_high"]) == pytest.approx((0.300642, 0.954413), abs=1e-6)
-    assert s["latency_s"] == pytest.approx(2.5) and s["latency_s_p50"] == pytest.approx(2.5)
+    assert s["latency_mean_s"] == pytest.approx(2.5) and s["latency_p50_s"] == pytest.approx(2.5)
     ttfts = [0.1, 0.1, 0.2, 0.2, 0.3, 0.3, 0.4, 0.4]
-    assert s["ttft_s"] == pytest.approx(0.25) and s["ttft_s_p50"] == pytest.approx(0.25)
-    assert s["ttft_s_p90"] == pytest.approx(0.4)  # linear: position 0.9 * 7 = 6.3 between 0.4 and 0.4
-    assert s["e2e_s"] == pytest.approx(2 * sum(ttfts) / 8)
-    assert s["method_state_bytes"] == 100 and s["peak_mem_bytes"] == 7 and s["kv_state_peak_bytes"] == 9
+    assert s["ttft_mean_s"] == pytest.approx(0.25) and s["ttft_p50_s"] == pytest.approx(0.25)
+    assert s["ttft_p90_s"] == pytest.approx(0.4)  # linear: position 0.9 * 7 = 6.3 between 0.4 and 0.4
+    assert s["e2e_mean_s"] == pytest.approx(2 * sum(ttfts) / 8)
+    assert s["method_state_peak_bytes"] == 100 and s["peak_mem_bytes"] == 7 and s["kv_state_peak_bytes"] == 9
     f = s["fidelity"]
     assert f["kv_rel_error"] == pytest.approx(0.1)  # (4 exact segments at 0 + 4 at 0.2) / 8
     assert f["top1_agree"] == 0.5 and f["top1_agree_se"] == pytest.approx((0.25 / 8) ** 0.5)
     assert f["first_token_kl"] == pytest.approx(0.1) and f["segments"] == 8
-    for old in ("method_state_peak_bytes", "ttft_p90_s", "ttft_p50_s", "kv_rel_error", "top1_agree"):
+    for old in ("method_state_bytes", "ttft_s_p90", "ttft_s_p50", "ttft_s", "e2e_s", "kv_rel_error", "top1_agree"):
         assert old not in s, old  # one name per figure; fidelity figures under "fidelity" only
 
 

@@ -63,8 +63,8 @@ def test_run_figures_percentiles_are_the_one_percentile():
     samples.loc[3, "latency_s"] = math.nan
     out = run_figures(samples, flat_frame(recs))
     s = pd.Series(ttft)
-    assert out["ttft_s_p50"] == float(np.percentile(ttft, 50)) and out["ttft_s_p90"] == float(s.quantile(0.9))
-    assert out["latency_s_p50"] == float(np.percentile(samples["latency_s"].dropna(), 50))
+    assert out["ttft_p50_s"] == float(np.percentile(ttft, 50)) and out["ttft_p90_s"] == float(s.quantile(0.9))
+    assert out["latency_p50_s"] == float(np.percentile(samples["latency_s"].dropna(), 50))
 
 
 # ---- layouts ---------------------------------------------------------------------------------------
@@ -131,10 +131,10 @@ def _old_accept_share(run_dir):
     acc = tot = 0
     for line in (run_dir / "requests.jsonl").read_text().splitlines():
         for s in json.loads(line).get("segments", []):
-            d = s.get("details") or {}
-            if d.get("gate") in ("accepted", "rejected"):
+            gate = s.get("gate")  # written as the segment's field since the gate outcome has one
+            if gate in ("accepted", "rejected"):
                 tot += s.get("tokens", 0)
-                acc += s.get("tokens", 0) if d["gate"] == "accepted" else 0
+                acc += s.get("tokens", 0) if gate == "accepted" else 0
     return acc / tot if tot else None
 
 
@@ -143,7 +143,7 @@ def _old_decisions(run_dir):
     for line in (run_dir / "requests.jsonl").read_text().splitlines():
         for s in json.loads(line).get("segments", []):
             d = s.get("details") or {}
-            if d.get("distances") and d.get("gate") in ("accepted", "rejected"):
+            if d.get("distances") and s.get("gate") in ("accepted", "rejected"):
                 out.append((list(d["distances"]), int(s.get("tokens", 0))))
     return out
 

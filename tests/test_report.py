@@ -56,8 +56,8 @@ def test_table1_figures_and_marks(t1):
     assert t1.loc["kvcmas", "accuracy"] == pytest.approx(5 / 6)
     assert t1.loc["kvcmas", "reuse_ratio"] == pytest.approx(0.8)
     assert t1.loc["fullshared", "reuse_ratio"] == pytest.approx(1.0)
-    assert t1.loc["kvcmas", "latency_s"] == pytest.approx(1.2) and t1.loc["kvcmas", "ttft_s"] == pytest.approx(0.12)
-    assert t1.loc["kvcmas", "method_state_bytes"] == 4 * 2**20
+    assert t1.loc["kvcmas", "latency_mean_s"] == pytest.approx(1.2) and t1.loc["kvcmas", "ttft_mean_s"] == pytest.approx(0.12)
+    assert t1.loc["kvcmas", "method_state_peak_bytes"] == 4 * 2**20
     assert t1.loc["kvcmas", "kv_rel_error"] == pytest.approx(0.08)  # the one shared segment per sample
     # accuracy 5/6: binomial SE sqrt(5/6 * 1/6 / 6) and the Wilson interval (roots solved by hand)
     assert t1.loc["kvcmas", "accuracy_se"] == pytest.approx(0.152145, abs=1e-6)
@@ -181,21 +181,22 @@ def test_summary_and_table1_take_every_figure_from_one_definition(tmp_path):
         "accuracy_se",
         "accuracy_ci_low",
         "accuracy_ci_high",
-        "latency_s",
-        "ttft_s",
-        "ttft_s_p50",
-        "ttft_s_p90",
-        "e2e_s",
+        "latency_mean_s",
+        "ttft_mean_s",
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "e2e_mean_s",
         "peak_mem_bytes",
         "kv_state_peak_bytes",
-        "method_state_bytes",
+        "method_state_peak_bytes",
         "reuse_ratio",
     ):
         assert row[key] == summary[key], key
     for key in ("top1_agree", "top1_agree_se", "top1_agree_ci_low", "first_token_kl"):
         assert row[key] == summary["fidelity"][key], key
-    assert summary["method_state_bytes"] == 2**20 and summary["ttft_s_p90"] == pytest.approx(0.1)
-    assert "method_state_peak_bytes" not in summary and "ttft_p90_s" not in row
+    assert summary["method_state_peak_bytes"] == 2**20 and summary["ttft_p90_s"] == pytest.approx(0.1)
+    # one name per figure: the names used before the scheme are gone from both
+    assert "method_state_bytes" not in summary and "ttft_s_p90" not in row
     # the runs frame (summary.json, flattened) carries the same figure under the same name
     runs = load_dirs([d]).runs_frame()
     assert runs["summary_fidelity_kv_rel_error"].iloc[0] == row["kv_rel_error"]
@@ -252,7 +253,7 @@ def _gids(ax, prefix):
 
 def test_pareto_plot_holds_points_frontier_region_and_clamped_outlier(t1):
     df = t1.reset_index()
-    fig, ax = pareto_axes(df, "latency_s", "accuracy", "t")
+    fig, ax = pareto_axes(df, "latency_mean_s", "accuracy", "t")
     points = _gids(ax, "point:")
     assert set(points) == {"nonshared", "fullshared", "kvcmas", "cacheblend rho=0.9"}
     assert tuple(points["kvcmas"].get_offsets()[0]) == pytest.approx((1.2, 5 / 6))
@@ -384,9 +385,9 @@ def test_console_tables_fit_80_columns(matrix, tmp_path):
         "device": "cpu",
         "n": 10,
         "accuracy": 0.3,
-        "latency_s": 12.3456,
-        "ttft_s": 0.7782,
-        "ttft_s_p90": 1.0201,
+        "latency_mean_s": 12.3456,
+        "ttft_mean_s": 0.7782,
+        "ttft_p90_s": 1.0201,
         "peak_mem_bytes": 1319567360,
         "kv_state_peak_bytes": 77322240,
         "reuse_ratio": 0.8123,

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvcmas_bench.engine import Segment
 from kvcmas_bench.methods import get_method
+from kvcmas_bench.segments import Segment
 
 from .conftest import rand_ids
 from .test_paper_semantics import chain, chain_request
@@ -33,18 +33,18 @@ def test_scheduled_reuse_overrides_a_rejecting_gate_and_scheduled_dense_a_bypass
     a = engine.run(chain_request("A#0", q), m)
     src = {"q": a.materialized["q"]}
     plain = engine.run(chain_request("B#1", q), m, sources=src)
-    assert plain.segments[1].status == "exact" and plain.segments[1].details["gate"] == "too_few_anchors"
+    assert plain.segments[1].status == "exact" and plain.segments[1].gate == "too_few_anchors"
     forced = engine.run(_scheduled(chain_request("B#1", q), "reuse"), m, sources=src)
-    assert forced.segments[1].status == "corrected" and forced.segments[1].details["gate"] == "scheduled"
+    assert forced.segments[1].status == "corrected" and forced.segments[1].gate == "scheduled"
     chain(engine, m, rand_ids(12, 3), nodes=("A#0", "B#1"))  # now 3 anchors; the gate still rejects
     forced = engine.run(_scheduled(chain_request("B#1", q), "reuse"), m, sources=src)
     seg = forced.segments[1]
-    assert seg.status == "corrected" and seg.details["gate"] == "scheduled" and seg.details["entropy"] > 0.9
+    assert seg.status == "corrected" and seg.gate == "scheduled" and seg.details["entropy"] > 0.9
     v1 = get_method("kvcmas", anchors=1, rank=4)
     chain(engine, v1, rand_ids(12, 1), nodes=("A#0", "B#1"))
     before = len(v1.pools["q"].anchors[0].entries)
     dense = engine.run(_scheduled(chain_request("B#1", q), "dense"), v1, sources=src)
-    assert dense.segments[1].status == "exact" and dense.segments[1].details["gate"] == "scheduled_dense"
+    assert dense.segments[1].status == "exact" and dense.segments[1].gate == "scheduled_dense"
     assert v1.stats["dense_fallback"] == 2 and len(v1.pools["q"].anchors) == 1 and before == 1  # learned from it
 
 

@@ -13,7 +13,7 @@ from kvcmas_bench.errors import BenchError
 from kvcmas_bench.jobs.sweep import serve_sweep
 from kvcmas_bench.results.request import RequestRecord, SegmentRecord
 from kvcmas_bench.serving.arrivals import arrival_times, gaps
-from kvcmas_bench.serving.metrics import percentile
+from kvcmas_bench.results.stats import percentile
 from kvcmas_bench.serving.queueing import simulate, wait_behind
 from kvcmas_bench.serving.traces import CTX_SLOT, build_traces, load_traces, save_traces
 
@@ -265,7 +265,7 @@ def test_small_sweep_writes_summary_requests_and_plots(tmp_path, tiny_lm):
     assert cfg["method_resolved"]["kvcmas"] == {"svd": "gram"}  # what svd=auto chose on the CPU
     assert all("schedule" not in json.loads(x) for x in (out / "traces.jsonl").read_text().splitlines())
     assert all(r["rho_target"] is None for r in rows) and saved["matched_rho"] is None
-    assert not any(seg.get("details", {}).get("gate", "").startswith("scheduled") for s in svc for seg in s["segments"])
+    assert not any(seg.get("gate", "").startswith("scheduled") for s in svc for seg in s["segments"])
     # every point says where its TTFT goes (own service + queueing), adding up
     for r in rows:
         assert r["ttft_p50_queue_s"] + r["ttft_p50_service_s"] == pytest.approx(r["ttft_p50_s"])

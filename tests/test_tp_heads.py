@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvcmas_bench.engine import Request, Segment, SegmentKV
 from kvcmas_bench.errors import BenchError
 from kvcmas_bench.methods import get_method
+from kvcmas_bench.segments import Request, Segment, SegmentKV
 from kvcmas_bench.serving.vllm.flow import ModelFacts, PlanContext
 from kvcmas_bench.serving.vllm.http import cpu_thread_bind
 from kvcmas_bench.serving.vllm.tp import HeadShards, kv_head_range, parallel_refusal

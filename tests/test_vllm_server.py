@@ -106,8 +106,8 @@ def _same(a: dict, b: dict, tol: float = 1e-4) -> bool:
 # ---- the worker runtime's background thread (no vLLM) -------------------------------------------
 def test_worker_plans_off_the_engine_thread_and_answers_when_ready():
     """``new_request`` returns at once; the claim appears only when the (slow) planning is done."""
-    from kvcmas_bench.engine import Request, Segment
     from kvcmas_bench.methods.base import METHODS, Method
+    from kvcmas_bench.segments import Request, Segment
     from kvcmas_bench.serving.vllm.flow import ModelFacts
     from kvcmas_bench.serving.vllm.worker import WorkerRuntime, agent_params
 
@@ -144,7 +144,7 @@ def test_worker_plans_off_the_engine_thread_and_answers_when_ready():
 def test_nonshared_requests_are_never_held_for_a_plan():
     """NonShared has nothing to plan: the scheduler side does not wait for it (no claim is published
     for it), and the worker still writes its all-exact record when it finishes."""
-    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.segments import Request, Segment
     from kvcmas_bench.serving.vllm.flow import ModelFacts
     from kvcmas_bench.serving.vllm.worker import (
         WorkerRuntime,
@@ -177,7 +177,7 @@ def test_nonshared_requests_are_never_held_for_a_plan():
 def test_the_client_and_the_worker_cut_agent_outputs_with_one_definition():
     """``flow.agent_output``: the first max_new_tokens, cut before EOS unless ignored; the worker's
     record holds the output the client builds the next prompts from."""
-    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.segments import Request, Segment
     from kvcmas_bench.serving.vllm.flow import ModelFacts, agent_output
     from kvcmas_bench.serving.vllm.worker import WorkerRuntime, agent_params, report_params
 
@@ -203,7 +203,7 @@ def test_worker_reports_its_peak_and_each_trajectorys_bytes_at_completion():
     """Two overlapping FullShared trajectories of two agents on the worker runtime (captures filled
     by hand, as the connector would): the report gives the peak of the held K/V since the previous
     report, the bytes each trajectory held when its last agent finished, and nothing left live."""
-    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.segments import Request, Segment
     from kvcmas_bench.serving.vllm.flow import ModelFacts
     from kvcmas_bench.serving.vllm.worker import WorkerRuntime, agent_params, report_params
 
@@ -283,7 +283,7 @@ def test_references_belong_to_their_session_and_end_with_its_report():
 
 
 def test_request_metadata_round_trips_into_the_same_request():
-    from kvcmas_bench.engine import Request, Segment
+    from kvcmas_bench.segments import Request, Segment
     from kvcmas_bench.serving.vllm.worker import agent_params, request_from
 
     req = Request(
@@ -681,11 +681,7 @@ def test_matched_rho_schedules_reach_the_server(srv, tiny_dir, tmp_path):
     assert run_cli(args) == 0
     reqs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     scheduled = [
-        s
-        for r in reqs
-        if r["method"] == "kvcmas"
-        for s in r["segments"]
-        if s.get("details", {}).get("gate") == "scheduled_dense"
+        s for r in reqs if r["method"] == "kvcmas" for s in r["segments"] if s.get("gate") == "scheduled_dense"
     ]
     assert scheduled and all(s["status"] == "exact" for s in scheduled)
     rows = {r["method"]: r for r in json.loads((out / "summary.json").read_text())["rows"]}
@@ -739,7 +735,7 @@ def test_tensor_parallel_2_reproduces_one_rank(tmp_path_factory):
     assert two["kv"] == one["ns"]
     for j in range(1, len(one["ns"])):
         assert _same(two["kv_lp"][j], one["ns_lp"][j], tol=1e-3)
-    assert any(s.details.get("gate") == "accepted" and s.details.get("anchors_compared", 0) >= 2 for s in two["gated"])
+    assert any(s.gate == "accepted" and s.details.get("anchors_compared", 0) >= 2 for s in two["gated"])
     assert two["session"]["tensor_parallel"] == {
         "size": 2,
         "rank": 0,

@@ -271,7 +271,7 @@ def test_nonshared_vlm_workflow_equals_generate(lv, engine):
         assert segs[1].ids == first.ids and torch.equal(segs[1].embeds, first.embeds)
         img_rec = step.result.segments[1]
         assert img_rec.source_agent == (run.steps[i - 1].role.name if i else None)
-        assert img_rec.kv_rel_error < 1e-5 and step.result.fidelity["top1_agree"]  # embeds-aware fidelity
+        assert img_rec.kv_rel_error < 1e-5 and step.result.top1_agree  # embeds-aware fidelity
     for step in (run.steps[0], run.steps[-1]):
         ids = torch.tensor([step.request.prompt_ids])
         gen = lv.model.generate(

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from kvcmas_bench.engine import Request, Segment
+from kvcmas_bench.segments import Request, Segment
 from kvcmas_bench.serving.vllm.flow import ModelFacts
 from kvcmas_bench.serving.vllm.tp import HeadShards
 from kvcmas_bench.serving.vllm.worker import Jobs, WorkerRuntime, agent_params, mkl_library

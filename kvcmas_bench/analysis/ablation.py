@@ -21,19 +21,19 @@ METRICS = {
     "first_token_agreement": "first-token agreement with NonShared",
     "reuse_ratio": "reuse ratio rho",
     "kv_rel_error": "KV relative error vs dense",
-    "ttft_s": "TTFT, mean per request (s)",
-    "latency_s": "E2E latency per sample (s)",
+    "ttft_mean_s": "TTFT, mean per request (s)",
+    "latency_mean_s": "E2E latency per sample (s)",
     "throughput_tok_s": "generated tokens / E2E s",
-    "method_state_bytes": "method state (MiB)",
+    "method_state_peak_bytes": "method state (MiB)",
     "peak_mem_bytes": "peak memory (MiB)",
 }
 #: x axis and panels per ablation kind
 PANELS = {
-    "rank": ("ranks", ["answer_agreement", "kv_rel_error", "reuse_ratio", "method_state_bytes"]),
-    "anchors": ("V", ["answer_agreement", "kv_rel_error", "reuse_ratio", "method_state_bytes"]),
-    "tau": ("tau", ["reuse_ratio", "answer_agreement", "kv_rel_error", "ttft_s"]),
-    "agents": ("agents", ["ttft_s", "throughput_tok_s", "answer_agreement", "peak_mem_bytes"]),
-    "rounds": ("rounds", ["ttft_s", "throughput_tok_s", "answer_agreement", "peak_mem_bytes"]),
+    "rank": ("ranks", ["answer_agreement", "kv_rel_error", "reuse_ratio", "method_state_peak_bytes"]),
+    "anchors": ("V", ["answer_agreement", "kv_rel_error", "reuse_ratio", "method_state_peak_bytes"]),
+    "tau": ("tau", ["reuse_ratio", "answer_agreement", "kv_rel_error", "ttft_mean_s"]),
+    "agents": ("agents", ["ttft_mean_s", "throughput_tok_s", "answer_agreement", "peak_mem_bytes"]),
+    "rounds": ("rounds", ["ttft_mean_s", "throughput_tok_s", "answer_agreement", "peak_mem_bytes"]),
 }
 PARAM_COLUMNS = {
     "rank": [Column("r_C", "r_C", "text", 0), Column("r_D", "r_D", "text", 0)],
@@ -50,10 +50,10 @@ COLUMNS = [
     Column("reuse_ratio", "rho", "rho", 0),
     Column("gate_accept_share", "gated tokens accepted", "acc", 5),
     Column("kv_rel_error", "KV rel. error", "err", 1),
-    Column("ttft_s", "TTFT (s)", "s", 2),
-    Column("latency_s", "E2E (s)", "s", 6),
+    Column("ttft_mean_s", "TTFT (s)", "s", 2),
+    Column("latency_mean_s", "E2E (s)", "s", 6),
     Column("throughput_tok_s", "tok/s", "num", 6),
-    Column("method_state_bytes", "state (MiB)", "MiB", 5),
+    Column("method_state_peak_bytes", "state (MiB)", "MiB", 5),
     Column("peak_mem_bytes", "peak mem (MiB)", "MiB", 8),
 ]
 

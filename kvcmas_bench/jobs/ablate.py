@@ -418,11 +418,6 @@ def _throughput(run) -> float | None:
     return float(r["output_tokens"].sum()) / total if total > 0 else None
 
 
-#: the outcomes ``OnlineDeltaCorrection.gate`` records in a segment's ``details["gate"]`` when it
-#: compared anchors by entropy (the others: no or too few anchors, bypassed, scheduled)
-GATE_ACCEPTED, GATE_REJECTED = "accepted", "rejected"
-
-
 def _gated_segments(run_dir: Path) -> list[SegmentRecord]:
     """The segments of a run's finished samples whose gate compared anchors, read by the run
     directory readers (:func:`~kvcmas_bench.results.records.read_run_files`)."""
@@ -430,14 +425,15 @@ def _gated_segments(run_dir: Path) -> list[SegmentRecord]:
     _, _, records, _ = read_run_files(
         run_dir / "samples.jsonl", run_dir / "requests.jsonl", request_steps(config), corrupt_input
     )
-    return [s for r in records for s in r.segments if s.details.get("gate") in (GATE_ACCEPTED, GATE_REJECTED)]
+    return [s for r in records for s in r.segments if s.gate is not None and s.gate.compared]
 
 
 def _accept_share(run_dir: Path) -> float | None:
-    """Share of gated tokens (segments whose gate compared anchors) that the gate accepted."""
+    """Share of gated tokens (segments whose gate compared anchors: ``GateOutcome.compared``) that
+    the gate accepted."""
     gated = _gated_segments(run_dir)
     tot = sum(s.tokens for s in gated)
-    acc = sum(s.tokens for s in gated if s.details["gate"] == GATE_ACCEPTED)
+    acc = sum(s.tokens for s in gated if s.gate.accepted)
     return acc / tot if tot else None
 
 

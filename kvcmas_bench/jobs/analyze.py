@@ -19,11 +19,12 @@ import pandas as pd
 
 from ..analysis.rank import DEFAULT_RANKS, Spectra, per_layer, rank_figure, reconstruction, summary
 from ..calibration import Recorder
-from ..engine import Engine, Request
+from ..engine import Engine
 from ..errors import BenchError
 from ..ops.lowrank import canonical_keys, to_rows
 from ..results.outdir import atomic_write, lock_output_dir
 from ..results.records import write_json
+from ..segments import Request
 from ..workflow import Workflow
 from ..workloads import get_workload
 from .ablate import AblateOptions, run_ablation

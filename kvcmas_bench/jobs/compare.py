@@ -41,6 +41,7 @@ import pandas as pd
 from ..errors import BenchError
 from ..report.columns import cell
 from ..report.tables import table1
+from ..results import figures
 from ..results.frames import SETTING_KEYS, Results, Run, Sweep, dir_kind, load_dirs, load_sweep, read_jsonl
 from ..results.stats import discordant, mcnemar_exact
 
@@ -230,37 +231,29 @@ def hardware(config: dict) -> tuple:
     return (config.get("device"), hw.get("gpu"), hw.get("cpu_count"))
 
 
+def figure_check(scope: str, fig, b, c, lim: Limits, timings: bool) -> Check | None:
+    """The check of one figure (its :class:`~kvcmas_bench.results.figures.CheckRule`) on a baseline and
+    a candidate value; None for a timing check when timings are not compared."""
+    rule = fig.check
+    if rule.timing and not timings:
+        return None
+    thr = getattr(lim, rule.limit)
+    kind = "acc" if fig.kind in ("est", "rho") else fig.kind
+    if rule.kind == "drop":
+        return drop_check(scope, rule.label, b, c, thr, kind)
+    return increase_check(scope, rule.label, b, c, thr, lim.noise if rule.timing else 0, kind)
+
+
 def run_checks(scope: str, b: dict, c: dict, lim: Limits, timings: bool) -> list[Check]:
-    """The threshold checks of one matched run pair (``b``, ``c``: their Table 1 rows)."""
-    out = [
-        drop_check(scope, "accuracy", b.get("accuracy"), c.get("accuracy"), lim.accuracy_drop),
-        drop_check(scope, "rho", b.get("reuse_ratio"), c.get("reuse_ratio"), lim.rho_drop),
-        increase_check(
-            scope,
-            "method state",
-            b.get("method_state_bytes"),
-            c.get("method_state_bytes"),
-            lim.memory_increase,
-            0,
-            "MiB",
-        ),
-    ]
-    for key, name in (("answer_agreement", "agreement"), ("first_token_agreement", "first-token agreement")):
-        if _num(b.get(key)) is not None and b.get("method") != "nonshared":  # NonShared: 1 by construction
-            out.append(drop_check(scope, name, b.get(key), c.get(key), lim.agreement_drop))
-    if timings:
-        out.append(increase_check(scope, "TTFT", b.get("ttft_s"), c.get("ttft_s"), lim.ttft_increase, lim.noise, "s"))
-        out.append(
-            increase_check(
-                scope,
-                "peak mem",
-                b.get("peak_mem_bytes"),
-                c.get("peak_mem_bytes"),
-                lim.memory_increase,
-                lim.noise,
-                "MiB",
-            )
-        )
+    """The threshold checks of one matched run pair (``b``, ``c``: their Table 1 rows), one per
+    figure with a run-level check rule, in their order."""
+    out = []
+    for fig in figures.checked("run"):
+        if fig.check.skip_reference and (_num(b.get(fig.name)) is None or b.get("method") == "nonshared"):
+            continue  # NonShared against itself: 1 by construction
+        check = figure_check(scope, fig, b.get(fig.name), c.get(fig.name), lim, timings)
+        if check is not None:
+            out.append(check)
     return out
 
 
@@ -452,38 +445,11 @@ def compare_sweeps(base_dir: str, cand_dir: str, lim: Limits) -> Comparison:
 
 def sweep_checks(row: pd.Series, lim: Limits, timings: bool) -> list[Check]:
     scope = f"{row['method']}@{row['shared_tokens']} qps {row['qps']:g}"
-    out = [
-        drop_check(scope, "rho", row.get("reuse_ratio_b"), row.get("reuse_ratio_c"), lim.rho_drop),
-        increase_check(
-            scope,
-            "KV+state",
-            row.get("kv_state_peak_bytes_b"),
-            row.get("kv_state_peak_bytes_c"),
-            lim.memory_increase,
-            0,
-            "MiB",
-        ),
+    checks = [
+        figure_check(scope, f, row.get(f"{f.name}_b"), row.get(f"{f.name}_c"), lim, timings)
+        for f in figures.checked("sweep")
     ]
-    if timings:
-        for stat in ("p50", "p90"):
-            k = f"ttft_{stat}_s"
-            out.append(
-                increase_check(
-                    scope, f"TTFT {stat}", row.get(f"{k}_b"), row.get(f"{k}_c"), lim.ttft_increase, lim.noise, "s"
-                )
-            )
-        out.append(
-            increase_check(
-                scope,
-                "peak mem",
-                row.get("peak_mem_bytes_b"),
-                row.get("peak_mem_bytes_c"),
-                lim.memory_increase,
-                lim.noise,
-                "MiB",
-            )
-        )
-    return out
+    return [c for c in checks if c is not None]
 
 
 def sweep_differences(b: Sweep, c: Sweep) -> list[str]:

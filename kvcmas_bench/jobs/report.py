@@ -65,7 +65,8 @@ DEFINITIONS = [
     "KV rel. error, top-1 agree, first-token KL (with --fidelity): against a full dense prefill of the same "
     "prompt; the KV error is the mean over every shared segment of every request, the definition of "
     "summary.json's fidelity.kv_rel_error. Table 1, summary.json and the exported frames take every figure from "
-    "one function (results.summary.run_figures), under the same names (ttft_s_p90, method_state_bytes, ...).",
+    "one function (results.summary.run_figures), under the same names (ttft_p90_s, method_state_peak_bytes, "
+    "...), each defined once in results/figures.py.",
 ]
 
 

@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 from ..calibration import auto_tau, collect
-from ..engine import UIDS, Engine
+from ..engine import Engine
 from ..errors import BenchError
 from ..memory import reset_peaks
 from ..methods import MethodSpec, resolve_method
@@ -16,6 +16,7 @@ from ..results.records import RunDir, check_run_dir, write_json
 from ..results.request import RequestRecord
 from ..results.state import MethodStateStore
 from ..results.summary import summarize
+from ..segments import UIDS
 from ..workflow import TOPOLOGIES, Workflow, plan, request_records
 from ..workloads import Workload, get_workload
 

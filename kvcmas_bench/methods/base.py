@@ -18,9 +18,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..engine import KVCache, PromptPiece, SegmentContext, SegmentKV
+import torch
+
+from ..engine import SegmentContext
 from ..errors import BenchError, OptionError
 from ..registry import Registry
+from ..segments import KVCache, SegmentKV
 
 #: name -> method class, filled by ``@register`` as the method modules are imported
 METHODS: Registry[type[Method]] = Registry("method")
@@ -40,6 +43,25 @@ def check(ok: bool, message: str) -> None:
     """Raise the user-facing option error when ``ok`` is false."""
     if not ok:
         raise OptionError(message)
+
+
+@dataclass
+class PromptPiece:
+    """One span of a prompt in a whole-prompt pass (:meth:`Method.materialize_prompt`): rows
+    ``start .. start + length`` with their input embeddings ``x`` (``[1, S, hidden]``), and ``old``,
+    the aligned source K/V the method may reuse (None: every row computed at every layer)."""
+
+    start: int
+    x: torch.Tensor
+    old: SegmentKV | None = None
+    #: set by the pass: "exact" (computed), "recomputed" (partly) or "reused" (as is)
+    status: str = "exact"
+    #: set by the pass: (token, layer) entries of a reused piece it recomputed
+    recomputed_token_layers: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.x.shape[1]
 
 
 @dataclass

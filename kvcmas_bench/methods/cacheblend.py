@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import KVCache, PromptPiece, SegmentContext, SegmentKV
+from ..engine import SegmentContext
 from ..errors import OptionError
 from ..ops.selection import n_selected_tokens, token_deviation, top_tokens
-from .base import Method, check, register
+from ..segments import KVCache, SegmentKV
+from .base import Method, PromptPiece, check, register
 
 
 def reuse_as_is(ctx: SegmentContext) -> SegmentKV:

@@ -19,8 +19,10 @@ from typing import ClassVar
 
 import torch
 
-from ..engine import SegmentContext, SegmentKV
-from ..ops.gate import DEFAULT_GATE_TEMPERATURE, GATES, gate_scores
+from ..engine import SegmentContext
+from ..ops.correction import CorrectionTally, applied_figures, block_ranges, select_terms, weighted_rows
+from ..ops.gate import DEFAULT_GATE_TEMPERATURE, GATES, gate_scores, rounded_distances
+from ..ops.gate_outcome import GateOutcome, entropy_verdict, gate_route
 from ..ops.kvmath import shift_keys
 from ..ops.lowrank import (
     FACTORIZATIONS,
@@ -30,12 +32,12 @@ from ..ops.lowrank import (
     lowrank_apply,
     lowrank_token_sqdist,
     operand_rows,
-    prune_weights,
     rows_copy,
     shift_to_rows,
     sparse_apply,
     token_weights,
 )
+from ..segments import SegmentKV
 from .anchors import Anchor, AnchorPool, FactorStack, instance_key, total_layout
 from .base import Method, check, state
 
@@ -51,6 +53,42 @@ class GateDecision:
     weights: torch.Tensor
     entropy: float | None
     sqdist_v: torch.Tensor | None = None
+
+
+@dataclass
+class _CorrectionPlan:
+    """One correction's fixed inputs: the context, the gate's decision, the reference, the factor
+    stacks (``part -> (bases, deltas)``), the keys' frame of positions and the output rows."""
+
+    ctx: SegmentContext
+    dec: GateDecision
+    ref: SegmentKV
+    stacks: dict[str, tuple[FactorStack, FactorStack]]
+    #: the positions the keys are compared and corrected at: the reference's for low-rank key
+    #: factors (their ``B`` rotated there), canonical (0) for full-dimensional ones
+    frame: int
+    out: dict[str, torch.Tensor]
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return self.ctx.engine.inv_freq
+
+    def reference_block(self, part: str, start: int, n: int) -> torch.Tensor:
+        """The reference's rows ``start .. start + n`` of ``part``, keys moved to :attr:`frame`."""
+        ref = self.ref
+        x = (ref.k if part == "k" else ref.v)[:, :, start : start + n]
+        if part == "k" and self.frame != ref.start:
+            x = shift_keys(x.float(), self.frame - ref.start, self.inv_freq)
+        return x
+
+    def gate_sqdist(self, part: str, start: int, n: int) -> torch.Tensor | None:
+        """The gate's (reduced) squared value distances of the block, reused for V's weights."""
+        sq = self.dec.sqdist_v
+        return sq[:, start : start + n] if part == "v" and sq is not None else None
+
+    def shift(self, part: str) -> int:
+        """Positions the corrected rows of ``part`` move on: keys from :attr:`frame` to the segment's."""
+        return self.ctx.start - self.frame if part == "k" else 0
 
 
 @dataclass
@@ -166,7 +204,7 @@ class OnlineDeltaCorrection(Method):
         pool = self.pools.setdefault(ctx.slot, AnchorPool(self.anchors))
         if ctx.forced == "dense":  # a controlled reuse ratio (serve-sweep --rho): this one falls back
             decision = None
-            ctx.details["gate"] = "scheduled_dense"
+            ctx.details["gate"] = GateOutcome.SCHEDULED_DENSE
         else:
             decision = self.gate(
                 pool, ctx.consumer, ref.v, ctx.length, ctx.details, force=ctx.forced == "reuse", shards=ctx
@@ -233,42 +271,56 @@ class OnlineDeltaCorrection(Method):
         KV heads other tensor-parallel ranks hold (None: this process holds them all).
         """
         details = {} if details is None else details
+        lengths = self._gate_lengths(pool, consumer, S, details)
+        outcome, k = gate_route(lengths, S, self.anchors, force)
+        if outcome is not None:
+            return self._uncompared(pool, consumer, outcome, k, details)
+        cands = pool.compatible(consumer, k)
+        dist_v = self._gate_sqdist(cands, consumer, ref_v, k, shards)
+        sq = dist_v.sum(1)
+        h, g = gate_entropy(gate_scores(sq, self.gate_mode, self.gate_temperature), self.temperature)
+        self.entropies.append((h, S))
+        details.update(compare_tokens=k, entropy=h, anchors_compared=len(cands), distances=rounded_distances(sq))
+        outcome = entropy_verdict(h, self.tau, force)
+        if not outcome.reuses:
+            details["gate"] = outcome
+            return None
+        details.update(gate=outcome, anchors_used=self.activate(cands, g))
+        return GateDecision(cands, k, g, h, dist_v)
+
+    def _gate_lengths(self, pool: AnchorPool, consumer: str, S: int, details: dict) -> list[int]:
+        """The stored lengths of the consumer's anchors the gate may use, longest first (``full_coverage``:
+        only those covering the ``S`` tokens); their counts go to ``details``."""
         lengths = pool.lengths(consumer)
         details["anchors_available"] = len(lengths)
         if self.full_coverage:
             lengths = [n for n in lengths if n >= S]
             details["anchors_covering"] = len(lengths)
-        if self.anchors == 1 or (force and len(lengths) == 1):
-            if not lengths:
-                details["gate"] = "no_anchor"
-                return None
-            k = min(S, lengths[0])
-            cands = pool.compatible(consumer, k)
-            details.update(
-                gate="bypassed" if self.anchors == 1 else "scheduled", compare_tokens=k, anchors_used=len(cands)
-            )
-            return GateDecision(cands, k, torch.ones(len(cands)), None)
-        if len(lengths) < 2:
-            details["gate"] = "too_few_anchors"
+        return lengths
+
+    @staticmethod
+    def _uncompared(
+        pool: AnchorPool, consumer: str, outcome: GateOutcome, k: int, details: dict
+    ) -> GateDecision | None:
+        """The decision of an outcome taken without comparing: the anchors covering ``k`` with equal
+        weights (bypassed, scheduled), or None (no or too few anchors: dense fallback)."""
+        if not outcome.reuses:
+            details["gate"] = outcome
             return None
-        k = min(S, lengths[1])
         cands = pool.compatible(consumer, k)
+        details.update(gate=outcome, compare_tokens=k, anchors_used=len(cands))
+        return GateDecision(cands, k, torch.ones(len(cands)), None)
+
+    def _gate_sqdist(
+        self, cands: list[Anchor], consumer: str, ref_v: torch.Tensor, k: int, shards: SegmentContext | None
+    ) -> torch.Tensor:
+        """``[n, k]`` squared distance of the reference's values to each candidate's base, block by block,
+        summed over every tensor-parallel rank's heads (``shards``)."""
         bases = FactorStack.of(cands, consumer, "base_v")
         dist_v = torch.cat(
             [self.token_sqdist(bases, _block(ref_v, s, n), s) for s, n in self.blocks(k, ref_v.device)], dim=1
         )
-        if shards is not None:
-            dist_v = shards.reduce_heads(dist_v)
-        sq = dist_v.sum(1)
-        h, g = gate_entropy(gate_scores(sq, self.gate_mode, self.gate_temperature), self.temperature)
-        self.entropies.append((h, S))
-        distances = [float(f"{x:.6g}") for x in sq.double().sqrt().tolist()]
-        details.update(compare_tokens=k, entropy=h, anchors_compared=len(cands), distances=distances)
-        if h > self.tau and not force:
-            details["gate"] = "rejected"
-            return None
-        details.update(gate="accepted" if h <= self.tau else "scheduled", anchors_used=self.activate(cands, g))
-        return GateDecision(cands, k, g, h, dist_v)
+        return dist_v if shards is None else shards.reduce_heads(dist_v)
 
     def activate(self, cands: list[Anchor], g: torch.Tensor) -> int:
         """Raise the activation counts (the LFU eviction's) of the smallest top set of anchors whose
@@ -282,8 +334,8 @@ class OnlineDeltaCorrection(Method):
     def blocks(self, k: int, device: torch.device | None = None):
         """``(start, n)`` of the consecutive blocks of at most :attr:`block_tokens` rows covering ``k``
         (:attr:`block_tokens_gpu` on a CUDA ``device``)."""
-        size = max(1, self.block_tokens_gpu if device is not None and device.type == "cuda" else self.block_tokens)
-        return [(s, min(size, k - s)) for s in range(0, k, size)]
+        on_gpu = device is not None and device.type == "cuda"
+        return block_ranges(k, self.block_tokens_gpu if on_gpu else self.block_tokens)
 
     @staticmethod
     def token_sqdist(stack: FactorStack, x: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -348,59 +400,64 @@ class OnlineDeltaCorrection(Method):
         correction returns None (the dense fallback then overwrites the rows it wrote) and it serves
         the fallback's anchor.
         """
-        k, engine, consumer = dec.k, ctx.engine, ctx.consumer
-        inv, heads = engine.inv_freq, ref.k.shape[1]
-        S = ref.v.shape[2]
-        out = dict(zip("kv", ctx.output_rows()))
-        stacks = {
-            p: (FactorStack.of(dec.anchors, consumer, f"base_{p}"), FactorStack.of(dec.anchors, consumer, f"delta_{p}"))
-            for p in "kv"
-        }
-        frame = ref.start if all(f.lowrank for f in stacks["k"]) else 0  # the keys' positions
-        stacks["k"] = tuple(f.rotated(frame, inv, heads) for f in stacks["k"])
-        # per-block figures stay on the device and are read once at the end (a block's one host read
-        # is its choice between the stacked and the sparse apply; there were four per block and part)
-        dev = ref.v.device
-        kept = {p: torch.zeros((), device=dev) for p in "kv"}
-        dropped, finite = torch.zeros((), device=dev), torch.ones((), dtype=torch.bool, device=dev)
-        for start, n in self.blocks(k, dev):
+        plan = self._correction_plan(ctx, dec, ref)
+        tally = CorrectionTally.zeros(ref.v.device)
+        for start, n in self.blocks(dec.k, ref.v.device):
             for p in "kv":
-                x = (ref.k if p == "k" else ref.v)[:, :, start : start + n]
-                if p == "k" and frame != ref.start:
-                    x = shift_keys(x.float(), frame - ref.start, inv)
-                bases, deltas = stacks[p]
-                sq = dec.sqdist_v[:, start : start + n] if p == "v" and dec.sqdist_v is not None else None
-                w = token_weights(self.token_distance(bases, x, start, sq, ctx), self.temperature)
-                keep, mass = prune_weights(w, self.prune_tol)
-                if float(keep.float().mean()) > 0.5:  # little to skip: the one stacked GEMM, every term
-                    keep, mass = torch.ones_like(keep), mass.zero_()
-                    corr = self.weighted_delta(deltas, w, start)
-                else:
-                    corr = sparse_apply(w, keep, deltas.a_rows(start, n), deltas.b_list())
-                finite &= torch.isfinite(corr.sum())  # a NaN/inf anywhere reaches the sum
-                kept[p] += keep.float().sum()
-                if mass.numel():
-                    dropped = torch.maximum(dropped, mass.max().float())
-                shift = ctx.start - frame if p == "k" else 0
-                add_shift_into(out[p][:, :, start : start + n], x, shift, inv, corr)
-        bad = (~finite).float()
-        if ctx.head_shards > 1:  # a NaN/inf on any rank's heads: every rank falls back
-            bad = ctx.reduce_heads(bad)
-        bad, kept_k, kept_v, dropped = torch.stack([bad, kept["k"], kept["v"], dropped]).tolist()
-        if bad:  # the dense fallback overwrites the rows written above
+                tally = self._correct_block(plan, p, start, n, tally)
+        bad, kept_k, kept_v, dropped = tally.read(ctx.reduce_heads if ctx.head_shards > 1 else None)
+        if bad:  # the dense fallback overwrites the rows written
             return None
-        kept = {"k": kept_k, "v": kept_v}
-        if k < S:  # rows beyond the covered prefix: the aligned reference
-            add_shift_into(out["k"][:, :, k:], ref.k[:, :, k:], ctx.start - ref.start, inv)
-            add_shift_into(out["v"][:, :, k:], ref.v[:, :, k:], 0, inv)
-        # anchors applied per token (mean over tokens, K then V) and the largest dropped weight mass
-        ctx.details.update(
-            anchors_applied=[round(kept[p] / k, 3) for p in "kv"], dropped_weight=float(f"{dropped:.6g}")
+        self._align_tail(plan)
+        ctx.details.update(applied_figures(kept_k, kept_v, dropped, dec.k))
+        kv = SegmentKV(
+            k=plan.out["k"], v=plan.out["v"], start=ctx.start, ids=tuple(ctx.segment.ids), status="corrected"
         )
-        kv = SegmentKV(k=out["k"], v=out["v"], start=ctx.start, ids=tuple(ctx.segment.ids), status="corrected")
         if self.exact_layer0:
             kv = ctx.exact_layer0(kv, ref)
         return kv
+
+    @staticmethod
+    def _correction_plan(ctx: SegmentContext, dec: GateDecision, ref: SegmentKV) -> _CorrectionPlan:
+        """The factor stacks of the decision's anchors (keys' ``B`` rotated to the reference's positions
+        when every key factor is low-rank) and the context's output rows."""
+        out = dict(zip("kv", ctx.output_rows()))
+        stacks = {
+            p: (
+                FactorStack.of(dec.anchors, ctx.consumer, f"base_{p}"),
+                FactorStack.of(dec.anchors, ctx.consumer, f"delta_{p}"),
+            )
+            for p in "kv"
+        }
+        frame = ref.start if all(f.lowrank for f in stacks["k"]) else 0
+        stacks["k"] = tuple(f.rotated(frame, ctx.engine.inv_freq, ref.k.shape[1]) for f in stacks["k"])
+        return _CorrectionPlan(ctx, dec, ref, stacks, frame, out)
+
+    def _correct_block(
+        self, plan: _CorrectionPlan, p: str, start: int, n: int, tally: CorrectionTally
+    ) -> CorrectionTally:
+        """Rows ``start .. start + n`` of part ``p``: token weights, the weighted deltas (the stacked GEMM
+        or the pruned terms, :func:`select_terms`), the corrected rows written into the output."""
+        x = plan.reference_block(p, start, n)
+        bases, deltas = plan.stacks[p]
+        dist = self.token_distance(bases, x, start, plan.gate_sqdist(p, start, n), plan.ctx)
+        w = token_weights(dist, self.temperature)
+        keep, mass, stacked = select_terms(w, self.prune_tol)
+        if stacked:
+            corr = self.weighted_delta(deltas, w, start)
+        else:
+            corr = sparse_apply(w, keep, deltas.a_rows(start, n), deltas.b_list())
+        tally = tally.add(p, corr, keep, mass)
+        add_shift_into(plan.out[p][:, :, start : start + n], x, plan.shift(p), plan.inv_freq, corr)
+        return tally
+
+    @staticmethod
+    def _align_tail(plan: _CorrectionPlan) -> None:
+        """Rows beyond the covered prefix: the aligned reference."""
+        ctx, ref, k, out = plan.ctx, plan.ref, plan.dec.k, plan.out
+        if k < ref.v.shape[2]:
+            add_shift_into(out["k"][:, :, k:], ref.k[:, :, k:], ctx.start - ref.start, plan.inv_freq)
+            add_shift_into(out["v"][:, :, k:], ref.v[:, :, k:], 0, plan.inv_freq)
 
     @staticmethod
     def weighted_delta(stack: FactorStack, w: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -409,7 +466,7 @@ class OnlineDeltaCorrection(Method):
         t = w.shape[1]
         if stack.lowrank:
             return lowrank_apply(w, stack.a_rows(start, t), stack.b_all, stack.ranks)
-        return sum(w[i][None, :, None] * r.float() for i, r in enumerate(stack.rows(start, t)))
+        return weighted_rows(w, stack.rows(start, t))
 
     # ---- Eq. 12 --------------------------------------------------------------------------------
     def insert(

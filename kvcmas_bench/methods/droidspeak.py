@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import SegmentContext, SegmentKV
+from ..engine import SegmentContext
 from ..errors import BenchError, OptionError
 from ..ops.selection import choose_layer_groups, n_selected_layers, profile_layer_deviation
+from ..segments import SegmentKV
 from .base import Method, check, register, state
 from .cacheblend import reuse_as_is
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine import SegmentContext, SegmentKV
+from ..engine import SegmentContext
+from ..segments import SegmentKV
 from .base import Method, register
 
 

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import SegmentContext, SegmentKV
+from ..engine import SegmentContext
 from ..ops.kvmath import shift_keys
 from ..ops.lowrank import canonical_keys
+from ..segments import SegmentKV
 from .base import Method, register, state
 
 

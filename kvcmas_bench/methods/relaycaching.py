@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import SegmentContext, SegmentKV
+from ..engine import SegmentContext
 from ..errors import OptionError
 from ..ops.selection import (
     attention_mass,
@@ -18,6 +18,7 @@ from ..ops.selection import (
     token_deviation,
     top_tokens,
 )
+from ..segments import SegmentKV
 from .base import Method, check, register, state
 from .cacheblend import reuse_as_is
 from .droidspeak import calibration_profile, source_hidden

@@ -46,6 +46,12 @@ def gate_scores(sqdist: torch.Tensor, gate: str = "paper", gate_temperature: flo
     return rel / gate_temperature
 
 
+def rounded_distances(sqdist: torch.Tensor) -> list[float]:
+    """The per-anchor distances ``sqrt(sqdist)`` a gate decision records, in float64 rounded to 6
+    significant digits (what :func:`entropy_of` recomputes a decision's entropy from)."""
+    return [float(f"{x:.6g}") for x in sqdist.double().sqrt().tolist()]
+
+
 def entropy_of(distances: Sequence[float], gate: str = "paper", gate_temperature: float = 1.0, temperature=1.0):
     """Normalized gate entropy of one decision from its per-anchor (unsquared) distances."""
     d = torch.as_tensor(list(distances), dtype=torch.float64)

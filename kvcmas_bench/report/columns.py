@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..results.figures import in_view
+
 
 @dataclass(frozen=True)
 class Column:
@@ -17,6 +19,19 @@ class Column:
     kind: str = "num"
     priority: int = 5
     justify: str = "right"
+    #: left out of a table when no row has a value
+    optional: bool = False
+
+
+def figure_columns(view: str, lead=()) -> list[Column]:
+    """The ``lead`` columns, then one per figure shown in ``view`` (:mod:`kvcmas_bench.results.figures`),
+    in the figures' order, with their headers, cell formats and priorities. On the console an estimate
+    shows its value only (the report tables add its SE and interval)."""
+    cols = list(lead)
+    for fig, v in in_view(view):
+        kind = "acc" if fig.estimate and view == "console" else fig.kind
+        cols.append(Column(fig.name, v.header or fig.header, kind, v.priority, optional=v.optional))
+    return cols
 
 
 def missing(v) -> bool:

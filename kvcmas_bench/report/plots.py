@@ -26,7 +26,10 @@ from matplotlib.patches import Rectangle  # noqa: E402
 from ..registry import LiveMapping  # noqa: E402
 from ..serving.plots import LABELS, plot_ttft  # noqa: E402
 
-X_AXES = {"latency_s": ("E2E latency per sample (s)", "E2E latency"), "ttft_s": ("TTFT, mean per request (s)", "TTFT")}
+X_AXES = {
+    "latency_mean_s": ("E2E latency per sample (s)", "E2E latency"),
+    "ttft_mean_s": ("TTFT, mean per request (s)", "TTFT"),
+}
 Y_AXES = {"accuracy": "accuracy", "answer_agreement": "answer agreement with NonShared"}
 
 
@@ -251,7 +254,7 @@ def workload_figures(df: pd.DataFrame, workload: str, out_dir: Path, stem: str |
                 continue
             caption = f"{workload}: {Y_AXES[y]} vs {short}"
             fig, _ = pareto_axes(df, x, y, f"{caption}\n{meta}")
-            figs.append(save(fig, out_dir, f"{stem}_{y}_vs_{x.removesuffix('_s')}", caption))
+            figs.append(save(fig, out_dir, f"{stem}_{y}_vs_{x.removesuffix('_s').removesuffix('_mean')}", caption))
     several = df[df["method"] != "nonshared"].groupby("method")["label"].nunique()
     if (several > 1).any() and "reuse_ratio" in df:
         for y in ("accuracy", "answer_agreement"):

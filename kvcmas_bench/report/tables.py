@@ -40,10 +40,11 @@ import re
 import pandas as pd
 
 from ..registry import LiveMapping, LiveSequence
+from ..results import figures
 from ..results.frames import REFERENCE, SETTING_KEYS, Results, Run
 from ..results.stats import discordant, mcnemar_exact, proportion
 from ..results.summary import run_figures
-from .columns import Column
+from .columns import Column, figure_columns
 
 
 def _answer_fields() -> dict[str, str]:
@@ -66,38 +67,9 @@ METHOD_ORDER = LiveSequence(_method_order)
 #: significance level of the best / second-best marks (exact McNemar, each pair)
 MARK_ALPHA = 0.05
 #: proportions shown with their standard error and 95% interval
-ESTIMATES = ("accuracy", "answer_agreement", "first_token_agreement", "top1_agree")
-
-
-TABLE1 = (
-    Column("label", "method", "text", 0, "left"),
-    Column("n", "n", "int", 6),
-    Column("accuracy", "accuracy ± SE [95% CI]", "est", 0),
-    Column("accuracy_delta", "acc. - NonShared", "diff", 3),
-    Column("mcnemar_p", "McNemar p", "p", 3),
-    Column("answer_agreement", "agree w/ NonShared ± SE [95% CI]", "est", 1),
-    Column("first_token_agreement", "first-token agree ± SE [95% CI]", "est", 4),
-    Column("latency_s", "E2E latency (s)", "s", 1),
-    Column("ttft_s", "TTFT mean (s)", "s", 2),
-    Column("ttft_s_p50", "TTFT p50 (s)", "s", 7),
-    Column("ttft_s_p90", "TTFT p90 (s)", "s", 5),
-    Column("peak_mem_bytes", "peak mem (MiB)", "MiB", 6),
-    Column("method_state_bytes", "method state (MiB)", "MiB", 6),
-    Column("reuse_ratio", "rho", "rho", 2),
-    Column("kv_rel_error", "KV rel. error", "err", 8),
-    Column("top1_agree", "top-1 agree ± SE [95% CI]", "est", 8),
-    Column("first_token_kl", "first-token KL", "kl", 9),
-)
-#: columns shown only when some row has a value
-OPTIONAL = (
-    "accuracy_delta",
-    "mcnemar_p",
-    "answer_agreement",
-    "first_token_agreement",
-    "kv_rel_error",
-    "top1_agree",
-    "first_token_kl",
-)
+ESTIMATES = LiveSequence(lambda: tuple(f.name for f in figures.FIGURES.values() if f.estimate))
+#: Table 1's columns: the method, then every figure with a ``table1`` view (:mod:`kvcmas_bench.results.figures`)
+TABLE1 = LiveSequence(lambda: figure_columns("table1", (Column("label", "method", "text", 0, "left"),)))
 
 
 def _only(df: pd.DataFrame, ids: set | None) -> pd.DataFrame:
@@ -382,4 +354,4 @@ def section_rows(df: pd.DataFrame) -> list[dict]:
 
 def visible_columns(df: pd.DataFrame, columns=TABLE1) -> list[Column]:
     """Columns of ``columns`` present in ``df``; optional ones only when some row has a value."""
-    return [c for c in columns if c.key in df and not (c.key in OPTIONAL and df[c.key].isna().all())]
+    return [c for c in columns if c.key in df and not (c.optional and df[c.key].isna().all())]

@@ -27,6 +27,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..errors import BenchError
+from .figures import canonical
 from .records import corrupt_input, read_jsonl_objects, read_run_files, request_steps
 from .request import RequestRecord
 
@@ -174,7 +175,7 @@ def load_run(path: str | Path) -> Run:
     (:func:`~kvcmas_bench.results.records.read_run_files`)."""
     p = Path(path)
     config = read_json(p / "config.json")
-    summary = read_json(p / "summary.json") if (p / "summary.json").exists() else {}
+    summary = canonical(read_json(p / "summary.json")) if (p / "summary.json").exists() else {}
     if not (p / "samples.jsonl").exists():
         raise BenchError(f"{p / 'samples.jsonl'} is missing")
     samples, _, records, _ = read_run_files(
@@ -198,6 +199,7 @@ def load_sweep(path: str | Path) -> Sweep:
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise corrupt_input(p / "service.jsonl", n, f"is not a valid request record ({str(exc)[:200]})") from None
     _unique_rows(p / "requests.jsonl", ("method", "shared_tokens", "qps", "trajectory", "step"), "served request")
+    summary["rows"] = [canonical(r) if isinstance(r, dict) else r for r in summary["rows"]]
     return Sweep(p, config, summary, pd.DataFrame(summary["rows"]), pd.DataFrame(service))
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from ..ops.gate_outcome import GateOutcome
+
 
 @dataclass
 class SegmentRecord:
@@ -20,8 +22,12 @@ class SegmentRecord:
 
     ``status``: ``exact`` (prefilled densely), ``reused`` (aligned source as is), ``corrected``
     (delta correction applied), ``recomputed`` (selective recomputation). ``eligible``: the segment
-    counts in the reuse-ratio denominator. ``details``: method accounting of this segment (gate
-    entropy, comparison prefix, anchors used, ...).
+    counts in the reuse-ratio denominator. ``gate``: what the delta methods' gate decided (None for
+    segments no gate saw), written as its string value. ``details``: method accounting of this
+    segment (gate entropy, comparison prefix, anchors used, ...).
+
+    A ``"gate"`` key of ``details`` moves into ``gate``: the methods record the outcome there, in
+    ``SegmentContext.details``, and records written before the field existed kept it only there.
     """
 
     kind: str
@@ -47,10 +53,24 @@ class SegmentRecord:
     #: the error this segment's own materialization adds: against a dense prefill of the segment over
     #: the cache as the method built it (0 for a dense segment, whatever came before)
     local_kv_rel_error: float | None = None
+    gate: GateOutcome | None = None
     details: dict = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if "gate" in self.details:
+            details = dict(self.details)
+            recorded = details.pop("gate")
+            if self.gate is not None and recorded != self.gate:
+                raise ValueError(f"gate {self.gate!r} and details gate {recorded!r} differ")
+            self.gate, self.details = recorded, details
+        if self.gate is not None:
+            self.gate = GateOutcome(self.gate)  # a string from a file; an unknown one raises ValueError
+
     def to_dict(self) -> dict:
-        return _compact(asdict(self), keep=("status",) if self.kind == "PF" else ("status", "source_agent"))
+        d = _compact(asdict(self), keep=("status",) if self.kind == "PF" else ("status", "source_agent"))
+        if self.gate is not None:
+            d["gate"] = self.gate.value
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> SegmentRecord:

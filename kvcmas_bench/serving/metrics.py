@@ -15,13 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pandas as pd
 
+from ..results import figures
 from ..results.request import RequestRecord
-from ..results.stats import percentile, percentile_rank
-from ..results.summary import records_frame, reuse_ratio
+from ..results.stats import percentile_rank
+from ..results.summary import flat_frame
 from .queueing import wait_behind
 
-PERCENTILES = (50, 90, 99)
 QPS_UNIT = "trajectory starts per second (each trajectory = 4 dependent agent requests)"
 DEFINITIONS = {
     "ttft_pXX_s": "numpy.percentile (linear) over all agent requests of first-token time - arrival, under load",
@@ -68,21 +69,10 @@ DEFINITIONS = {
 }
 
 #: the parts of a request's TTFT under load (see DEFINITIONS): queue + service = TTFT
-TTFT_PARTS = (
-    "queue",
-    "queue_dense",
-    "queue_other",
-    "service",
-    "service_shared_dense",
-    "service_shared_reuse",
-    "service_other",
-)
-TTFT_PART_STATS = ("p50", "p90", "mean")
+TTFT_PARTS, TTFT_PART_STATS = figures.TTFT_PARTS, figures.TTFT_PART_STATS
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return float(np.mean(vals)) if vals else None
+_mean = figures.mean_of
 
 
 def served_metrics(served: Sequence[RequestRecord], qps: float) -> dict:
@@ -94,10 +84,6 @@ def served_metrics(served: Sequence[RequestRecord], qps: float) -> dict:
     service = [r.service_e2e_s for r in served]
     traj_service = [sum(r.service_e2e_s for r in rs) for rs in by_traj.values()] if None not in service else []
     row: dict = {"n_trajectories": len(by_traj), "n_requests": len(served)}
-    for name, vals in (("ttft", [r.ttft_s for r in served]), ("e2e", [r.e2e_s for r in served])):
-        for q in PERCENTILES:
-            row[f"{name}_p{q}_s"] = percentile(vals, q)
-        row[f"{name}_mean_s"] = float(np.mean(vals))
     row["queue_mean_s"] = _mean([r.queue_s for r in served])
     row["service_ttft_mean_s"] = _mean([r.service_ttft_s for r in served])
     row["service_e2e_mean_s"] = _mean(service)
@@ -152,19 +138,11 @@ def drain_ratio(trajectories) -> float | None:
 
 
 def load_metrics(requests: Sequence[RequestRecord]) -> dict:
-    """Load-independent figures of one (method, shared length) group: memory, tokens, reuse."""
-    peaks = [r.peak_mem_bytes for r in requests if r.peak_mem_bytes is not None]
+    """The figures of one point computed from its request records (:mod:`kvcmas_bench.results.figures`,
+    scope ``sweep``: TTFT/E2E percentiles, memory, tokens, reuse) and the kind of peak measured."""
     return {
-        "peak_mem_bytes": max(peaks) if peaks else None,
+        **figures.evaluate(pd.DataFrame(), flat_frame(list(requests)), "sweep"),
         "peak_mem_kind": "device" if requests and requests[0].device_peak_bytes is not None else "rss",
-        "kv_state_peak_bytes": max(r.kv_state_bytes for r in requests),
-        "method_state_peak_bytes": max(r.method_state_bytes for r in requests),
-        "prompt_tokens_mean": float(np.mean([r.prompt_tokens for r in requests])),
-        "output_tokens_mean": float(np.mean([r.output_tokens for r in requests])),
-        "prefilled_tokens": int(sum(r.prefilled_tokens for r in requests)),
-        "reused_tokens": int(sum(r.reused_tokens for r in requests)),
-        "reference_tokens": int(sum(r.reference_tokens for r in requests)),
-        "reuse_ratio": reuse_ratio(records_frame(list(requests))),
     }
 
 

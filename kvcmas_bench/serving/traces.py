@@ -25,7 +25,7 @@ generates ``accumulated // 3`` tokens over a fixed non-generated context (defaul
 
 Matched reuse ratio (``serve-sweep --matched-rho``): a trace may carry a *schedule*, one decision
 per (agent, shared slot), ``"dense"`` or ``"reuse"``, that :meth:`Trace.request` puts on the PH
-segments (:attr:`kvcmas_bench.engine.Segment.schedule`); :func:`draw_schedule` draws it once per
+segments (:attr:`kvcmas_bench.segments.Segment.schedule`); :func:`draw_schedule` draws it once per
 set of trajectories from the seed, the same for every method (see its docstring for the rule).
 
 Traces are saved as JSONL (one trajectory a line, all ids inline), so replaying a file rebuilds
@@ -40,9 +40,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..engine import Request, Segment
 from ..errors import BenchError
 from ..results.outdir import atomic_write
+from ..segments import Request, Segment
 from ..workloads.base import Role
 
 FORMAT = "kvcmas-serve-trace/1"

@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ...engine import SegmentKV
 from ...results.request import RequestRecord
+from ...segments import SegmentKV
 from .flow import EngineRequest, NeedKV, Runtime, TrajectoryRun, kv_request
 
 

@@ -39,16 +39,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...engine import KVCache, PromptPiece, Request, RequestResult, SegmentContext, SegmentKV
+from ...engine import SegmentContext
 from ...errors import BenchError
-from ...methods.base import Method
+from ...methods.base import Method, PromptPiece
 from ...ops.kvmath import shift_keys
 from ...results.request import RequestRecord, SegmentRecord
+from ...segments import KVCache, Request, RequestResult, SegmentKV
 from ...workflow import AgentStep, Node, _sources, out_slot, step_record
 from ..backends import trace_nodes
 from ..traces import Trace
 from .plan import Capture, Plan
-from .tp import HeadShards
+from .tp import HeadShards, ShardedHeads
 
 
 def plans_nothing(method_cls) -> bool:
@@ -128,17 +129,17 @@ class ModelFacts:
         return SegmentKV(k=kv.k, v=kv.v, start=0, ids=tuple(ids), slot=slot)
 
 
-class PlanContext(SegmentContext):
+class PlanContext(ShardedHeads, SegmentContext):
     """:class:`~kvcmas_bench.engine.SegmentContext` for an engine that runs requests whole.
 
     Under tensor parallelism (``facts.shards``) the caches it hands the method hold the rank's KV
-    heads; ``head_shards`` and :meth:`reduce_heads` (an all-reduce over the TP group) make the delta
-    methods' gate and token weights span every head, so each rank takes the same decision."""
+    heads; ``head_shards`` and :meth:`reduce_heads` (:class:`~.tp.ShardedHeads`: an all-reduce over
+    the TP group) make the delta methods' gate and token weights span every head, so each rank takes
+    the same decision."""
 
     def __init__(self, facts: ModelFacts, request: Request, segment, start: int, source: SegmentKV | None):
         self.engine = facts  # type: ignore[assignment]
         self.shards = facts.shards
-        self.head_shards = 1 if facts.shards is None else facts.shards.count
         self.cache = None  # type: ignore[assignment]
         self.request, self.segment, self.start, self.source = request, segment, start, source
         self.prefilled = self.reference_tokens = self.recomputed_token_layers = 0
@@ -162,9 +163,6 @@ class PlanContext(SegmentContext):
         kv.v[0] = reference.v[0].to(kv.v.dtype)
         self.recomputed_token_layers += self.length
         return kv
-
-    def reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.shards is None else self.shards.reduce(t)
 
     def output_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A fresh buffer: the connector copies a provided segment into vLLM's blocks."""
@@ -548,26 +546,28 @@ class TrajectoryRun:
     def _result(
         self, a: _Agent, t: float, out: list[int], output_kv: SegmentKV | None, claimed: int | None
     ) -> RequestResult:
+        """The agent's request as served: its record (timings on the client's clock from its
+        arrival) and the caches later agents reuse."""
         prompt = len(a.request.prompt_ids)
-        return RequestResult(
+        record = RequestRecord(
             agent=a.request.agent,
-            output_ids=out,
             ttft_s=a.first_token_s - a.arrival_s,
             e2e_s=t - a.arrival_s,
+            deferred_s=0.0,  # the deferred work runs at the first token, not timed apart
+            node=a.request.node,
             prompt_tokens=prompt,
+            output_tokens=len(out),
             prefilled_tokens=prompt - (claimed or 0) + a.computed_here,
             reused_tokens=a.reused,
+            eligible_tokens=a.eligible,
             reference_tokens=a.reference,
             recomputed_token_layers=a.recomputed,
-            eligible_tokens=a.eligible,
-            segments=a.records,
-            materialized=a.materialized,
-            output_kv=output_kv,
             kv_bytes=(prompt + len(out)) * self.rt.facts.token_bytes,
             peak_rss_bytes=_peak_rss(),
-            device_peak_bytes=None,
-            first_token=a.first_token,
+            segments=a.records,
+            first_token_id=a.first_token,
         )
+        return RequestResult(record, out, a.materialized, output_kv)
 
     def _chain(self, a: _Agent, out: list[int], output_kv: SegmentKV | None) -> None:
         """Sources for later agents, as :func:`~kvcmas_bench.workflow.execute` keeps them."""

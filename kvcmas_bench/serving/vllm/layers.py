@@ -1,7 +1,7 @@
 """Partial forwards on the model vLLM serves, for the methods that recompute chosen tokens layer by
 layer (CacheBlend), as LMCache's blender does: the worker runs vLLM's own modules (norms, fused
 QKV projection, rotary, output projection, MLP) over a per-request cache, with the attention step
-of the in-process engine (:class:`~kvcmas_bench.engine.CacheRows`).
+of the in-process engine (:class:`~kvcmas_bench.segments.CacheRows`).
 
 - **Where the model comes from.** vLLM hands a KV connector its paged caches, not the model. The
   model is the live ``*ForCausalLM`` module whose attention layers are the ones in vLLM's static
@@ -30,8 +30,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ...engine import CacheRows, Engine, KVCache
+from ...engine import Engine
 from ...errors import BenchError
+from ...segments import CacheRows, KVCache
 
 #: decoder layers whose forward is exactly ``run_layers`` below
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -62,7 +63,7 @@ def find_model(vllm_config) -> torch.nn.Module | None:
 
 class ModelLayers:
     """What a :class:`~kvcmas_bench.engine.SegmentContext` asks of an engine (embeddings, dense
-    prefill, partial forwards over a :class:`~kvcmas_bench.engine.KVCache`), on vLLM's modules."""
+    prefill, partial forwards over a :class:`~kvcmas_bench.segments.KVCache`), on vLLM's modules."""
 
     def __init__(self, model: torch.nn.Module, facts):
         name = type(model).__name__

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 
 from ...errors import BenchError
+from ...segments import HeadReduction
 
 #: an all-reduce over the TP group: (tensor, "sum" or "max") -> the reduced tensor, the same on every rank
 AllReduce = Callable[[torch.Tensor, str], torch.Tensor]
@@ -143,6 +144,21 @@ class HeadShards:
         if shards.heads != expected:
             raise BenchError(f"KV-head sharding: {shards.heads} heads on rank {shards.rank}, vLLM holds {expected}")
         return shards
+
+
+class ShardedHeads(HeadReduction):
+    """The tensor-parallel :class:`~kvcmas_bench.segments.HeadReduction` of a segment context whose
+    caches hold one rank's KV heads (``shards``; None: every head, the one-device default): the
+    group's distinct head shards, and :meth:`HeadShards.reduce` over the TP group."""
+
+    shards: HeadShards | None = None
+
+    @property
+    def head_shards(self) -> int:  # type: ignore[override]
+        return 1 if self.shards is None else self.shards.count
+
+    def reduce_heads(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.shards is None else self.shards.reduce(t)
 
 
 def gloo_all_reduce(group) -> AllReduce:

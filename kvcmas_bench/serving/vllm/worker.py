@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...engine import Request, Segment, SegmentKV
 from ...methods.knobs import method_class
+from ...segments import Request, Segment, SegmentKV
 from ...workflow import Node
 from ...workloads.base import Role
 from .flow import EngineRequest, ModelFacts, NeedKV, Runtime, TrajectoryRun, plans_nothing
