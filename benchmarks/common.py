@@ -36,6 +36,15 @@ ENV_KEYS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 # ---- shared text and prefixes -------------------------------------------------------------------
 
 
+#: the serve-sweep settings the sweep benchmarks take as flags of the same name
+SWEEP_FLAGS = ("model", "dtype", "seed", "output_tokens", "calib_trajectories", "warmup_trajectories", "matched_rho")
+
+
+def sweep_settings(args, *more: str) -> dict:
+    """``SweepOptions`` keywords from a benchmark's parsed flags of the same names (``more``: others)."""
+    return {k: getattr(args, k) for k in (*SWEEP_FLAGS, *more)}
+
+
 def shared_ids(tok, n: int, offset: int = 0) -> list[int]:
     """``n`` tokens of real text (MMLU questions), starting ``offset`` questions in."""
     from kvcmas_bench.workloads import get_workload

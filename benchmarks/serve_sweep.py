@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Summary, append_header, fmt, print_header, spread_verdict  # noqa: E402
+from common import Summary, append_header, fmt, print_header, spread_verdict, sweep_settings  # noqa: E402
 
 METHODS = "nonshared,fullshared,kvcomm,graphflow,kvcmas"
 UTILIZATIONS = "0.25,0.5,0.75,0.9,1.0"
@@ -168,27 +168,19 @@ def one_sweep(args, argv, methods: list[str], out: Path, console) -> dict | str:
 
 def measure(args, methods: list[str], out: Path, console) -> dict:
     """Every method measured once, single stream, into ``out`` (``serve_sweep`` at QPS 0)."""
-    from kvcmas_bench.jobs.sweep import serve_sweep
+    from kvcmas_bench.jobs.sweep import SweepOptions, run_sweep
 
-    return serve_sweep(
-        methods,
-        [0],
-        [args.shared_tokens],
-        args.trajectories,
-        str(out),
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        burstiness=args.burstiness,
-        output_tokens=args.output_tokens,
-        calib_trajectories=args.calib_trajectories,
-        warmup_trajectories=args.warmup_trajectories,
-        matched_rho=args.matched_rho,
+    opts = SweepOptions(
+        methods=methods,
+        qps=[0],
+        shared_tokens=[args.shared_tokens],
+        num_trajectories=args.trajectories,
+        output_path=str(out),
         plots=False,
-        console=console,
         show_table=False,
+        **sweep_settings(args, "device", "burstiness"),
     )
+    return run_sweep(opts, console=console)
 
 
 def qps_grid(utilizations: str, t_ns: float) -> list[float]:

@@ -51,7 +51,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Summary, append_header, fmt, print_header, provenance, spread_verdict  # noqa: E402
+from common import (  # noqa: E402
+    Summary,
+    append_header,
+    fmt,
+    print_header,
+    provenance,
+    spread_verdict,
+    sweep_settings,
+)
 
 METHODS = "nonshared,fullshared,kvcmas,kvcomm,graphflow"
 
@@ -192,20 +200,8 @@ class Bench:
         return [root] if args.repeats == 1 else [root / f"repeat-{i}" for i in range(1, args.repeats + 1)]
 
     def sweep_options(self) -> dict:
-        """The ``serve_sweep`` options both engines' sweeps share."""
-        a, console = self.args, self.console
-        return dict(
-            model=a.model,
-            dtype=a.dtype,
-            seed=a.seed,
-            output_tokens=a.output_tokens,
-            calib_trajectories=a.calib_trajectories,
-            warmup_trajectories=a.warmup_trajectories,
-            matched_rho=a.matched_rho,
-            console=console,
-            show_table=False,
-            progress=lambda msg: console.print(f"[dim]{msg}[/dim]"),
-        )
+        """The ``SweepOptions`` settings both engines' sweeps share."""
+        return dict(show_table=False, **sweep_settings(self.args))
 
 
 def refusal(args: argparse.Namespace, methods: list[str]) -> str | None:
@@ -217,10 +213,10 @@ def refusal(args: argparse.Namespace, methods: list[str]) -> str | None:
     if not args.report_only:  # before the in-process half runs: a method the server cannot serve fails now
         import kvcmas_bench.serving.vllm  # noqa: F401  (registers the engine and its limits)
         from kvcmas_bench.methods import method_class
-        from kvcmas_bench.serving.backends import check_backend
+        from kvcmas_bench.serving.engines import check_engine
 
         try:
-            check_backend("vllm", [method_class(m) for m in methods])
+            check_engine("vllm", [method_class(m) for m in methods])
         except BenchError as exc:
             return str(exc)
     return None
@@ -266,7 +262,7 @@ def measure_and_report(b: Bench, r: Path) -> dict:
     """One measurement under ``r`` (unless ``--report-only``), its sections printed and its
     ``comparison.json`` written; the TTFT ratios per length and engine."""
     if not b.args.report_only:
-        run_all(b.args, b.methods, b.lengths, b.factors, b.engine_options, r, b.sweep_options())
+        run_all(b.args, b.methods, b.lengths, b.factors, b.engine_options, r, b.sweep_options(), b.console)
         append_header(r / "command.txt", b.argv)
     results = report(b.console, r, b.lengths, b.methods)
     memory = worker_memory(b.console, r, b.lengths, b.methods)
@@ -513,38 +509,43 @@ def write_comparison(path: Path, argv, body: dict) -> None:
     path.write_text(json.dumps({**provenance(argv), **body}, indent=1))
 
 
-def run_all(args, methods, lengths, factors, engine_options, root: Path, common: dict) -> None:
+def run_all(args, methods, lengths, factors, engine_options, root: Path, common: dict, console) -> None:
     """The in-process measurements and replays, then one ``vllm serve`` with the connector (unless
     ``--engine-arg base_url=`` names a running one) for the vLLM single-stream probe and sweep."""
-    from kvcmas_bench.jobs.sweep import evaluate_service, serve_sweep
+    from kvcmas_bench.jobs.sweep import SweepOptions, evaluate_service, run_sweep
+
+    def sweep(methods, qps, s, out, **kw):
+        opts = SweepOptions(
+            methods=methods, qps=qps, shared_tokens=[s], num_trajectories=args.trajectories, output_path=str(out), **kw
+        )
+        return run_sweep(opts, console=console, progress=lambda msg: console.print(f"[dim]{msg}[/dim]"))
 
     grids: dict[int, list[float]] = {}
     for s in lengths:  # the in-process engine first, alone on the machine
         d = root / str(s) / "in-process"
-        single = serve_sweep(methods, [0], [s], args.trajectories, str(d), device="cpu", plots=False, **common)
+        single = sweep(methods, [0], s, d, device="cpu", plots=False, **common)
         t_ns = next(r for r in single["rows"] if r["method"] == "nonshared")["trajectory_service_mean_s"]
         grids[s] = [round(f / t_ns, 4) for f in factors]
         evaluate_service(str(d), [0.0] + grids[s], console=None)
-    server, engine_options = start_server(args, engine_options, common["console"])
+    server, engine_options = start_server(args, engine_options, console)
     try:
         for s in lengths:
             t0 = time.perf_counter()
             # the probe and the sweep: the in-process engine's traces at this length, on the server
             on_vllm = functools.partial(
-                serve_sweep,
-                shared_tokens=[s],
-                num_trajectories=args.trajectories,
+                sweep,
+                s=s,
                 traces_path=str(root / str(s) / "in-process" / "traces.jsonl"),
-                backend="vllm",
+                engine="vllm",
                 engine_options=engine_options,
                 **common,
             )
-            probe = on_vllm(["nonshared"], [0], output_path=str(root / str(s) / "vllm-single-stream"), plots=False)
+            probe = on_vllm(["nonshared"], [0], out=root / str(s) / "vllm-single-stream", plots=False)
             t_ns = next(r for r in probe["rows"] if r["method"] == "nonshared")
             # a single stream's makespan is the sum of the trajectories' latencies
             rate = t_ns["n_trajectories"] / t_ns["makespan_s"]
-            on_vllm(methods, [0.0] + [round(f * rate, 4) for f in factors], output_path=str(root / str(s) / "vllm"))
-            common["console"].print(f"[dim]vLLM sweep at {s} shared tokens: {time.perf_counter() - t0:.0f} s[/dim]")
+            on_vllm(methods, [0.0] + [round(f * rate, 4) for f in factors], out=root / str(s) / "vllm")
+            console.print(f"[dim]vLLM sweep at {s} shared tokens: {time.perf_counter() - t0:.0f} s[/dim]")
     finally:
         if server is not None:
             server.stop()
@@ -554,8 +555,8 @@ def start_server(args, engine_options: dict, console):
     """One ``vllm serve`` with the connector for the whole benchmark; the client options to reach it."""
     if engine_options.get("base_url"):
         return None, engine_options
-    from kvcmas_bench.serving.vllm.backend import _resolve_model
     from kvcmas_bench.serving.vllm.http import Server, ServerOptions, _free_port, serve_command
+    from kvcmas_bench.serving.vllm.inprocess import _resolve_model
 
     opts = ServerOptions.parse(engine_options)
     path, _ = _resolve_model(args.model)

@@ -22,15 +22,15 @@ from rich.table import Table
 from .console import fmt, print_run_summary
 from .errors import BenchError
 from .options import (
+    BUDGET_PARAMS,
+    KNOB_PARAMS,
+    MODEL_PARAMS,
     Agents,
-    AnchorCount,
-    AnchorDtype,
     CalibSamples,
     Device,
     Dtype,
     EngineArg,
     Fidelity,
-    FinalMaxNewTokens,
     Limit,
     MaxNewTokens,
     MethodArg,
@@ -38,17 +38,14 @@ from .options import (
     Model,
     OutputPath,
     Plots,
-    Rank,
     ReportFormat,
-    Rho,
     Rounds,
-    Seed,
-    Tau,
     Topology,
     Workload,
     Workloads,
-    knob_args,
+    takes,
 )
+from .settings import comma_items, from_cli, parse_pairs
 
 app = typer.Typer(
     add_completion=False,
@@ -111,36 +108,21 @@ class _Progress:
         self.bar.stop()
 
 
-def _split(v: str | None) -> list[str] | None:
-    return [s.strip() for s in v.split(",") if s.strip()] if v else None
-
-
 @app.command()
 @on_interrupt("finished samples are saved; run the same command again to resume")
+@takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS)
 def run(
     method: str = typer.Option("nonshared", help="Sharing method (see `kvcmas-bench methods`)."),
     workload: Workload = "mmlu",
-    model: Model = None,
     limit: Limit = None,
     output_path: OutputPath = "runs/latest",
-    seed: Seed = 0,
-    device: Device = "auto",
-    dtype: Dtype = "float32",
     subjects: str | None = typer.Option(None, help="MMLU subjects, comma-separated (e.g. 'anatomy,virology')."),
     data_path: str | None = typer.Option(
         None,
         help="Local data file, or 'hub[:repo]' for the hub dataset; "
         "videomme: the folder holding the Video-MME videos (required).",
     ),
-    max_new_tokens: MaxNewTokens = None,
-    final_max_new_tokens: FinalMaxNewTokens = None,
     fidelity: Fidelity = False,
-    tau: Tau = None,
-    rho: Rho = None,
-    rank: Rank = None,
-    anchors: AnchorCount = None,
-    anchor_dtype: AnchorDtype = None,
-    method_arg: MethodArg = None,
     target_reuse: float | None = typer.Option(
         None,
         help="Pick tau on calibration samples to reach this reuse ratio (KVCMAS/KVComm); the chosen tau is recorded.",
@@ -149,32 +131,13 @@ def run(
     agents: Agents = None,
     rounds: Rounds = 1,
     calib_samples: CalibSamples = 4,
+    **shared,
 ) -> None:
     """Run one method on one workload and write config/samples/requests/summary into OUTPUT_PATH."""
     from .jobs.run import RunOptions
     from .jobs.run import run as do_run
 
-    opts = RunOptions(
-        method=method,
-        workload=workload,
-        model=model,
-        limit=limit,
-        output_path=output_path,
-        seed=seed,
-        device=device,
-        dtype=dtype,
-        subjects=_split(subjects),
-        data_path=data_path,
-        max_new_tokens=max_new_tokens,
-        final_max_new_tokens=final_max_new_tokens,
-        fidelity=fidelity,
-        calib_samples=calib_samples,
-        target_reuse=target_reuse,
-        topology=topology,
-        agents=agents,
-        rounds=rounds,
-        method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
-    )
+    opts = from_cli(RunOptions, locals() | shared)
     progress = _Progress()
     try:
         summary = do_run(opts, progress=progress)
@@ -185,34 +148,9 @@ def run(
     err.print(f"results in {output_path}/ (summary.json, samples.jsonl, requests.jsonl, config.json)")
 
 
-def _floats(flag: str, v: str) -> list[float]:
-    try:
-        return [float(x) for x in v.split(",") if x.strip()]
-    except ValueError:
-        raise BenchError(f"{flag} takes comma-separated numbers, got {v!r}") from None
-
-
-def _pairs(flag: str, items: list[str] | None) -> dict[str, str] | None:
-    """``["a=1", "b-c=x"]`` -> ``{"a": "1", "b_c": "x"}``; None when no item was given."""
-    out: dict[str, str] = {}
-    for item in items or ():
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise BenchError(f"{flag} takes KEY=VALUE, got {item!r}")
-        out[key] = value.strip()
-    return out or None
-
-
-def _ints(flag: str, v: str) -> list[int]:
-    try:
-        return [int(x) for x in v.split(",") if x.strip()]
-    except ValueError:
-        raise BenchError(f"{flag} takes comma-separated integers, got {v!r}") from None
-
-
 @app.command("serve-sweep")
 @on_interrupt("measured (method, shared length) groups are saved; run the same command again to resume")
+@takes(MODEL_PARAMS, KNOB_PARAMS)
 def serve_sweep_cmd(
     methods: Methods = "all",
     qps: str = typer.Option(
@@ -225,10 +163,6 @@ def serve_sweep_cmd(
     ),
     num_trajectories: int = typer.Option(4, "--num-trajectories", "--trajectories", help="Evaluated trajectories."),
     output_path: OutputPath = "runs/serve-sweep",
-    model: Model = None,
-    device: Device = "auto",
-    dtype: Dtype = "float32",
-    seed: Seed = 0,
     burstiness: float = typer.Option(1.0, help="Gamma shape of inter-arrival gaps (1 = Poisson), as vllm bench serve."),
     output_tokens: int = typer.Option(128, help="Tokens each agent generates (EOS ignored, as --ignore-eos)."),
     accumulated: bool = typer.Option(False, help="Shared context accumulated from agent outputs (paper B.6)."),
@@ -239,12 +173,6 @@ def serve_sweep_cmd(
         help="More held-out trajectories every method serves before measurement (pools in steady state, "
         "as in a long-running service; excluded from the statistics), like vllm bench serve --num-warmups.",
     ),
-    tau: Tau = None,
-    rho: Rho = None,
-    rank: Rank = None,
-    anchors: AnchorCount = None,
-    anchor_dtype: AnchorDtype = None,
-    method_arg: MethodArg = None,
     matched_rho: str | None = typer.Option(
         None,
         "--matched-rho",
@@ -257,6 +185,7 @@ def serve_sweep_cmd(
     engine: str = typer.Option("in-process", "--engine", help="Serving engine (see `kvcmas-bench engines`)."),
     backend: str | None = typer.Option(None, "--backend", hidden=True, help="Old name of --engine."),
     engine_arg: EngineArg = None,
+    **shared,
 ) -> None:
     """Serve controlled 4-agent traces with every method across QPS. The in-process engine measures
     each request once (one request at a time) and replays Poisson arrivals at every QPS on a
@@ -269,27 +198,7 @@ def serve_sweep_cmd(
 
     if backend is not None and engine not in ("in-process", backend):
         raise BenchError(f"--backend is the old name of --engine; give one (got --engine {engine} --backend {backend})")
-    opts = SweepOptions(
-        methods=_split(methods) or ["all"],
-        qps=_floats("--qps", qps),
-        shared_tokens=_ints("--shared-tokens", shared_tokens),
-        num_trajectories=num_trajectories,
-        output_path=output_path,
-        model=model,
-        device=device,
-        dtype=dtype,
-        seed=seed,
-        burstiness=burstiness,
-        output_tokens=output_tokens,
-        accumulated=accumulated,
-        traces_path=traces,
-        calib_trajectories=calib_trajectories,
-        warmup_trajectories=warmup_trajectories,
-        method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
-        matched_rho=matched_rho,
-        engine=backend or engine,
-        engine_options=_pairs("--engine-arg", engine_arg) or {},
-    )
+    opts = from_cli(SweepOptions, locals() | shared, engine=backend or engine)
     run_sweep(opts)
     err.print(f"results in {output_path}/ (summary.json, requests.jsonl, service.jsonl, traces.jsonl, plots)")
 
@@ -309,10 +218,10 @@ def serve_cmd(
     import os
     import shlex
 
-    from .serving.vllm.backend import _resolve_model
     from .serving.vllm.http import ServerOptions, _dtype_arg, _has_cuda, serve_command, server_env
+    from .serving.vllm.inprocess import _resolve_model
 
-    opts = ServerOptions.parse(_pairs("--engine-arg", engine_arg) or {})
+    opts = ServerOptions.parse(parse_pairs("--engine-arg", engine_arg))
     path, _ = _resolve_model(model)
     cpu = device == "cpu" or (device == "auto" and not _has_cuda())
     cmd = serve_command(path, port, _dtype_arg(dtype, cpu), opts, cpu, host=host)
@@ -332,38 +241,24 @@ app.add_typer(analyze_app, name="analyze")
 
 
 @on_interrupt("coverage is computed in one go and nothing was written; run the command again")
+@takes(MODEL_PARAMS)
 def coverage_cmd(
     workload: Workload = "mmlu",
     limit: Limit = 4,
-    rho: str = typer.Option("0.9,0.8", help="Reuse ratios; the recomputation budget is 1 - rho."),
-    model: Model = None,
-    device: Device = "auto",
-    dtype: Dtype = "float32",
-    seed: Seed = 0,
+    rhos: str = typer.Option("0.9,0.8", "--rho", help="Reuse ratios; the recomputation budget is 1 - rho."),
     max_new_tokens: MaxNewTokens = None,
     output_path: OutputPath = "runs/coverage",
     method_arg: MethodArg = None,
+    **shared,
 ) -> None:
     """Reconstruction coverage of selective recomputation (paper Table 2) on the shared segments of
     WORKLOAD's agent workflow: the share of reuse error that layer (DroidSpeak), deviation (CacheBlend)
     and attention (RelayCaching) selection remove at the same budget, and that share relative to random
     selection. --method-arg sets the criteria's options: check_layer, score_on (deviation criterion),
     max_groups (layer criterion)."""
-    from .jobs.coverage import coverage_report
+    from .jobs.coverage import CoverageOptions, coverage_report
 
-    rhos = _floats("--rho", rho)
-    df = coverage_report(
-        workload,
-        limit,
-        rhos,
-        model=model,
-        device=device,
-        dtype=dtype,
-        seed=seed,
-        max_new_tokens=max_new_tokens,
-        output_path=output_path,
-        method_args=knob_args(method_arg),
-    )
+    df = coverage_report(from_cli(CoverageOptions, locals() | shared))
     t = Table(title=f"reconstruction coverage on {workload} ({limit} samples)")
     cols = ["rho", "criterion", "coverage", "relative_coverage", "norm_coverage", "observations"]
     for c in cols:
@@ -380,97 +275,48 @@ app.command("coverage", help="Alias of `analyze coverage`. " + (coverage_cmd.__d
 
 @analyze_app.command("rank")
 @on_interrupt("the rank analysis is computed in one go and nothing was written; run the command again")
+@takes(MODEL_PARAMS, BUDGET_PARAMS)
 def analyze_rank_cmd(
     workloads: Workloads = "mmlu",
     limit: Limit = 8,
-    seed: Seed = 0,
     energy: float = typer.Option(0.9, help="Share of the squared singular values the effective rank keeps."),
     ranks: str = typer.Option("1,2,4,8,16,32,64", help="Retained ranks of the reconstruction-error curve."),
-    model: Model = None,
-    device: Device = "auto",
-    dtype: Dtype = "float32",
-    max_new_tokens: MaxNewTokens = None,
-    final_max_new_tokens: FinalMaxNewTokens = None,
     output_path: OutputPath = "runs/analyze-rank",
     plots: Plots = True,
+    **shared,
 ) -> None:
     """Effective rank per layer (minimum rank keeping --energy of the singular-value energy) of base
     caches, PH-induced and PF-induced deltas, K and V apart, and the relative reconstruction error vs
     retained rank, per workload (paper Figures 2 and 7). --limit needs at least 2 samples."""
     from .jobs.analyze import RankOptions, rank_analysis
 
-    res = rank_analysis(
-        RankOptions(
-            workloads=_split(workloads) or [],
-            limit=limit,
-            seed=seed,
-            model=model,
-            device=device,
-            dtype=dtype,
-            max_new_tokens=max_new_tokens,
-            final_max_new_tokens=final_max_new_tokens,
-            energy=energy,
-            ranks=_ints("--ranks", ranks),
-            output_path=output_path,
-            plots=plots,
-        )
-    )
+    res = rank_analysis(from_cli(RankOptions, locals() | shared))
     from .console import print_rank_summary
 
     print_rank_summary(res.summary, energy, out)
     err.print(f"results in {output_path}/ (rank_summary.csv, rank_per_layer.csv, rank_recon.csv, rank.json, figures/)")
 
 
-def _sweep_options(kind: str, **kw):
-    from .jobs.ablate import AblateOptions
-
-    return AblateOptions(kind=kind, **kw)
-
-
 @analyze_app.command("chain")
 @on_interrupt("finished samples are saved; run the same command again to resume")
+@takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS)
 def analyze_chain_cmd(
     workloads: Workloads = "mmlu",
     methods: Methods = "kvcmas,kvcmas-nonchained",
     limit: Limit = 8,
-    seed: Seed = 0,
-    model: Model = None,
-    device: Device = "auto",
-    dtype: Dtype = "float32",
-    max_new_tokens: MaxNewTokens = None,
-    final_max_new_tokens: FinalMaxNewTokens = None,
     topology: Topology = "chain",
-    tau: Tau = None,
-    rho: Rho = None,
-    rank: Rank = None,
-    anchors: AnchorCount = None,
-    anchor_dtype: AnchorDtype = None,
-    method_arg: MethodArg = None,
     output_path: OutputPath = "runs/analyze-chain",
     plots: Plots = True,
+    **shared,
 ) -> None:
     """Relative KV error of chained vs non-chained correction over the same samples, per layer and per
     agent in execution order (paper Figure 3); one resumable run directory per method (--fidelity).
     --methods: the chained and the non-chained method compared; --tau 1 accepts every gated decision."""
     from .console import print_chain
+    from .jobs.ablate import AblateOptions
     from .jobs.analyze import chain_analysis
 
-    opts = _sweep_options(
-        "chain",
-        methods=_split(methods),
-        workloads=_split(workloads) or [],
-        limit=limit,
-        seed=seed,
-        output_path=output_path,
-        model=model,
-        device=device,
-        dtype=dtype,
-        max_new_tokens=max_new_tokens,
-        final_max_new_tokens=final_max_new_tokens,
-        topology=topology,
-        method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
-        plots=plots,
-    )
+    opts = from_cli(AblateOptions, locals() | shared, kind="chain")
     res = _with_progress(chain_analysis, opts)
     print_chain(res.per_agent, out)
     err.print(f"results in {output_path}/ (chain_per_agent.csv, chain_per_layer.csv, figures/, one run per method)")
@@ -498,6 +344,7 @@ def _raise_failed(failed: dict, output_path: str, total: int | None = None, what
 
 @app.command("ablate")
 @on_interrupt("finished samples are saved; run the same command again to resume")
+@takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS)
 def ablate_cmd(
     kind: str = typer.Argument(..., help="rank, anchors, tau, agents or rounds."),
     values: str | None = typer.Option(
@@ -513,23 +360,12 @@ def ablate_cmd(
     methods: Methods = None,
     workloads: Workloads = "mmlu",
     limit: Limit = 8,
-    seed: Seed = 0,
     output_path: OutputPath = None,
-    model: Model = None,
-    device: Device = "auto",
-    dtype: Dtype = "float32",
-    max_new_tokens: MaxNewTokens = None,
-    final_max_new_tokens: FinalMaxNewTokens = None,
     fidelity: Fidelity = True,
     calib_samples: CalibSamples = 4,
     topology: Topology = "chain",
-    tau: Tau = None,
-    rho: Rho = None,
-    rank: Rank = None,
-    anchors: AnchorCount = None,
-    anchor_dtype: AnchorDtype = None,
-    method_arg: MethodArg = None,
     plots: Plots = True,
+    **shared,
 ) -> None:
     """The paper's ablations as resumable sweeps: rank (r_C, r_D), anchors (V), tau (both gates; rho,
     agreement with NonShared, KV error, TTFT; fidelity vs rho at matched rho), agents and rounds. Each
@@ -538,30 +374,10 @@ def ablate_cmd(
     droidspeak, relaycaching; agents and rounds: kvcmas, cacheblend); NonShared is always added as the
     reference. The knob flags and --method-arg set every point's other knobs."""
     from .console import print_ablation
+    from .jobs.ablate import AblateOptions
 
     target = output_path or f"runs/ablate-{kind}"
-    opts = _sweep_options(
-        kind,
-        values=_split(values),
-        delta_ranks=_split(delta_ranks),
-        gates=_split(gates),
-        rhos=_split(rhos),
-        methods=_split(methods),
-        workloads=_split(workloads) or [],
-        limit=limit,
-        seed=seed,
-        output_path=target,
-        model=model,
-        device=device,
-        dtype=dtype,
-        max_new_tokens=max_new_tokens,
-        final_max_new_tokens=final_max_new_tokens,
-        fidelity=fidelity,
-        calib_samples=calib_samples,
-        topology=topology,
-        method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
-        plots=plots,
-    )
+    opts = from_cli(AblateOptions, locals() | shared, output_path=target)
     from .jobs.ablate import run_ablation
 
     res = _with_progress(run_ablation, opts)
@@ -571,30 +387,20 @@ def ablate_cmd(
 
 
 @app.command("suite")
+@takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS)
 def suite_cmd(
     methods: Methods = "all",
     workloads: Workloads = "mmlu",
     limit: Limit = None,
-    seed: Seed = 0,
     output_path: OutputPath = "runs/suite",
-    model: Model = None,
-    device: Device = "auto",
-    dtype: Dtype = "float32",
-    max_new_tokens: MaxNewTokens = None,
-    final_max_new_tokens: FinalMaxNewTokens = None,
     fidelity: Fidelity = False,
     calib_samples: CalibSamples = 4,
-    tau: Tau = None,
-    rho: Rho = None,
-    rank: Rank = None,
-    anchors: AnchorCount = None,
-    anchor_dtype: AnchorDtype = None,
-    method_arg: MethodArg = None,
     report_format: ReportFormat = "md,html",
     plots: Plots = True,
     repeats: int = typer.Option(
         1, help="Run every cell N times, repeat r with seed SEED+r (in DIR/repeat-r/); the report adds mean and std."
     ),
+    **shared,
 ) -> None:
     """Run a matrix of methods x workloads (one resumable run directory per cell, the same samples for
     every method, NonShared as the reference, always added) and write the report (Table 1, agreement,
@@ -602,24 +408,7 @@ def suite_cmd(
     from .jobs.report import console_table1
     from .jobs.suite import SuiteOptions, run_suite
 
-    opts = SuiteOptions(
-        methods=_split(methods) or [],
-        workloads=_split(workloads) or [],
-        limit=limit,
-        seed=seed,
-        output_path=output_path,
-        model=model,
-        device=device,
-        dtype=dtype,
-        max_new_tokens=max_new_tokens,
-        final_max_new_tokens=final_max_new_tokens,
-        fidelity=fidelity,
-        calib_samples=calib_samples,
-        method_args=knob_args(method_arg, tau=tau, rho=rho, rank=rank, anchors=anchors, anchor_dtype=anchor_dtype),
-        report_formats=_split(report_format) or [],
-        plots=plots,
-        repeats=repeats,
-    )
+    opts = from_cli(SuiteOptions, locals() | shared)
     res = _with_progress(run_suite, opts)
     if res.report is not None:
         console_table1(res.report, out)
@@ -640,7 +429,7 @@ def report_cmd(
     from .jobs.report import build_report, console_table1
 
     target = output_path or (f"{dirs[0].rstrip('/')}/report" if len(dirs) == 1 else "runs/report")
-    res = build_report(dirs, target, _split(report_format) or [], plots)
+    res = build_report(dirs, target, comma_items("--format", report_format), plots)
     console_table1(res, out)
     err.print(f"report in {target}/ ({', '.join(p.name for p in res.files)}{', figures/' if res.figures else ''})")
 
@@ -720,27 +509,34 @@ def list_methods(
             continue
         row = [name, cls.summary]
         if options:
-            row.append(", ".join(_knob_text(k, f) for k, f in cls.knobs().items()) or "-")
+            row.append(", ".join(_knob_text(k, f, cls) for k, f in cls.knobs().items()) or "-")
         t.add_row(*row)
     out.print(t)
 
 
-def _knob_text(name: str, f) -> str:
-    """``name=default``, with the valid values of a knob that declares them: ``svd='auto' (auto|gram|...)``."""
+def _knob_text(name: str, f, cls) -> str:
+    """``name=default``, with the valid values of a knob that declares them (``svd='auto'
+    (auto|gram|...)``) and its per-workload defaults where they differ (``tau=0.3 (mmlu 0.29, ...)``)."""
+    from .workloads import WORKLOADS
+
     text = f"{name}={f.default!r}"
     opts = f.metadata.get("choices")
-    return text + f" ({'|'.join('none' if c is None else str(c) for c in opts)})" if opts else text
+    if opts:
+        text += f" ({'|'.join('none' if c is None else str(c) for c in opts)})"
+    per = {w: cls.workload_defaults(wl).get(name) for w, wl in WORKLOADS.items() if not w.startswith("_")}
+    per = {w: v for w, v in per.items() if v is not None and v != f.default}
+    return text + f" (per workload: {', '.join(f'{w} {v}' for w, v in per.items())})" if per else text
 
 
 @app.command("engines")
 def list_engines() -> None:
-    """List the serving engines (``serve-sweep --engine``), one Backend plugin each."""
-    from .serving.backends import BACKENDS
+    """List the serving engines (``serve-sweep --engine``), one ServingEngine plugin each."""
+    from .serving.engines import ENGINES
 
     t = Table(title="serving engines (serve-sweep --engine)")
     t.add_column("name")
     t.add_column("what it is")
-    for name, factory in BACKENDS.items():
+    for name, factory in ENGINES.items():
         t.add_row(name, (factory.__doc__ or "").strip().splitlines()[0] if factory.__doc__ else "")
     out.print(t)
 
@@ -760,7 +556,7 @@ def list_workloads() -> None:
     t.add_column("data")
     for name, cls in WORKLOADS.items():
         agents = " -> ".join([r.name for r in cls.roles] + [cls.final_role.name])
-        t.add_row(name, agents, str(cls.default_tau), cls.summary)
+        t.add_row(name, agents, "-" if cls.default_tau is None else str(cls.default_tau), cls.summary)
     out.print(t)
 
 

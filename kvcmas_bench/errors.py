@@ -8,7 +8,14 @@ class BenchError(Exception):
 
 
 class OptionError(BenchError, ValueError):
-    """An invalid method option (knob) value; raised by a method's own validation."""
+    """An invalid method option (knob) value; raised by a method's own validation. ``knob``: the
+    field it is about (None: the message names what it is about itself); ``text``: the message
+    without it, for a caller that names the knob the way the user gave it."""
+
+    def __init__(self, message: str, knob: str | None = None):
+        self.knob = knob
+        self.text = message
+        super().__init__(f"{knob} {message}" if knob else message)
 
 
 #: The model and data packages that ``scripts/setup.sh`` installs with ``--no-deps`` (their declared

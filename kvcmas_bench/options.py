@@ -17,11 +17,13 @@ knob flags against the methods' dataclass fields.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Annotated
 
 import typer
 
-from .errors import BenchError
+from .settings import knob_args as knob_args  # the merge of the knob flags and --method-arg
 
 #: anchor storage dtypes the anchor methods accept (``--anchor-dtype``; unset: the model's dtype)
 ANCHOR_DTYPES = ("bfloat16", "float16", "float32")
@@ -138,15 +140,42 @@ MethodArg = Annotated[
 ]
 
 
-def knob_args(method_arg: list[str] | None, **flags) -> dict:
-    """The typed knob flags (None = unset) and ``--method-arg KEY=VALUE`` pairs as one dict."""
-    from .methods import parse_method_args
+# --- parameter groups: declared once, added to a command's signature by :func:`takes`
+#: what every model-loading command takes (:class:`~kvcmas_bench.settings.ModelSettings` but the
+#: output path, whose default names the job)
+MODEL_PARAMS = {"model": (Model, None), "device": (Device, "auto"), "dtype": (Dtype, "float32"), "seed": (Seed, 0)}
+#: the agents' token budgets (:class:`~kvcmas_bench.settings.SampleSettings`)
+BUDGET_PARAMS = {"max_new_tokens": (MaxNewTokens, None), "final_max_new_tokens": (FinalMaxNewTokens, None)}
+#: the method knobs: the typed flags and ``--method-arg`` (:class:`~kvcmas_bench.settings.MethodSettings`)
+KNOB_PARAMS = {
+    "tau": (Tau, None),
+    "rho": (Rho, None),
+    "rank": (Rank, None),
+    "anchors": (AnchorCount, None),
+    "anchor_dtype": (AnchorDtype, None),
+    "method_arg": (MethodArg, None),
+}
 
-    unknown = set(flags) - set(KNOB_FLAGS)
-    if unknown:
-        raise TypeError(f"not a typed knob flag: {', '.join(sorted(unknown))}")
-    extra = parse_method_args(method_arg)
-    for key, value in flags.items():
-        if value is not None and key in extra:
-            raise BenchError(f"--{key.replace('_', '-')} is given twice (as a flag and as --method-arg)")
-    return {**{k: v for k, v in flags.items() if v is not None}, **extra}
+
+def takes(*groups: dict):
+    """Decorate a typer command: the parameters of ``groups`` (name -> (alias, default)) join its
+    signature after its own, so typer parses them, and reach it in its ``**shared`` keywords; the
+    command builds its options with ``from_cli(Options, locals() | shared)``."""
+
+    def wrap(fn):
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        added = [
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=alias)
+            for group in groups
+            for name, (alias, default) in group.items()
+        ]
+
+        @functools.wraps(fn)
+        def command(**kwargs):
+            return fn(**kwargs)
+
+        command.__signature__ = sig.replace(parameters=[*own, *added])
+        return command
+
+    return wrap

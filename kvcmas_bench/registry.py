@@ -1,4 +1,4 @@
-"""One registry for every plugin kind (sharing methods, workloads, serving backends): register by
+"""One registry for every plugin kind (sharing methods, workloads, serving engines): register by
 name, look up with one message for an unknown name, and views of values derived from the
 registered classes (labels, colours, table order) that follow registrations made later."""
 

@@ -91,30 +91,9 @@ class VLMWorkflow(Workflow):
     edges exactly like PH_q. Features are computed once per distinct visual content (cached across
     samples with the same key, e.g. the three questions of one Video-MME video)."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        method,
-        workload,
-        max_new_tokens: int | None = None,
-        final_max_new_tokens: int | None = None,
-        fidelity: bool = False,
-        topology: str = "chain",
-        agents: int | None = None,
-        rounds: int = 1,
-        processor: VisualProcessor | None = None,
-    ):
-        super().__init__(
-            engine,
-            method,
-            workload,
-            max_new_tokens,
-            final_max_new_tokens,
-            fidelity=fidelity,
-            topology=topology,
-            agents=agents,
-            rounds=rounds,
-        )
+    def __init__(self, engine: Engine, method, workload, *args, processor: VisualProcessor | None = None, **kw):
+        """:class:`Workflow`'s arguments, and the model's ``processor`` of visual inputs."""
+        super().__init__(engine, method, workload, *args, **kw)
         if processor is None:
             raise ValueError("VLMWorkflow needs the model's VisualProcessor")
         self.processor = processor

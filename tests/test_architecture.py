@@ -1,6 +1,7 @@
 """The house rules: no import circle, knobs as data (a method added from a test file runs through
 ``run`` and ``serve-sweep``), methods and workloads known by their classes only (one added here
-shows up in Table 1 and the figures), backends as plugins (a fake backend serves a sweep)."""
+shows up in Table 1 and the figures), engines as plugins (a fake engine serves a sweep), and the
+60-line rule of CONTRIBUTING.md (ruff's size rules: tests/test_lint.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kvcmas_bench.report.plots import COLORS, display, pareto_axes
 from kvcmas_bench.report.tables import METHOD_ORDER, table1
 from kvcmas_bench.results.frames import load_dirs
 from kvcmas_bench.results.request import RequestRecord
-from kvcmas_bench.serving.backends import BACKENDS, ServeResult, get_backend, register_backend
+from kvcmas_bench.serving.engines import ENGINES, ServeResult, get_engine, register_engine
 from kvcmas_bench.serving.plots import LABELS
 from kvcmas_bench.serving.queueing import simulate
 from kvcmas_bench.workloads import get_workload
@@ -30,6 +31,39 @@ from .conftest import run_cli
 from .synthetic import make_run
 
 PKG = Path(kvcmas_bench.__file__).parent
+
+
+# ---- size rules --------------------------------------------------------------------------------
+MAX_LINES = 60
+
+
+def long_functions(source: str, limit: int = MAX_LINES) -> list[tuple[str, int, int]]:
+    """``(name, first line, lines)`` of every function (methods and typer commands included, their
+    decorators not) longer than ``limit`` lines."""
+    return [
+        (n.name, n.lineno, n.end_lineno - n.lineno + 1)
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.end_lineno - n.lineno + 1 > limit
+    ]
+
+
+def test_the_line_counter_finds_a_61_line_function_and_passes_a_60_line_one():
+    body = "    x = 0\n" * 58
+    sixty = "def f():\n" + body + "    return x\n"
+    assert long_functions(sixty) == []
+    nested = "class C:\n" + "".join("    " + line + "\n" for line in (sixty + "    x += 1\n").splitlines())
+    assert long_functions(nested) == [("f", 2, 61)]
+
+
+def test_no_function_over_60_lines_in_the_package_or_the_benchmarks():
+    root = PKG.parent
+    found = [
+        f"{p.relative_to(root)}:{line} {name} ({n} lines)"
+        for d in (PKG, root / "benchmarks")
+        for p in sorted(d.rglob("*.py"))
+        for name, line, n in long_functions(p.read_text())
+    ]
+    assert not found, "over 60 lines (CONTRIBUTING.md, 'Keep functions small'): " + "; ".join(found)
 
 
 # ---- import graph ------------------------------------------------------------------------------
@@ -150,7 +184,7 @@ class ScaledReuse(Method):
     scale: float = 1.0
 
     def validate(self) -> None:
-        check(0.0 < self.scale <= 2.0, f"scale must lie in (0, 2], got {self.scale}")
+        check(0.0 < self.scale <= 2.0, "scale", f"must lie in (0, 2], got {self.scale}")
 
     def materialize(self, ctx):
         if ctx.source is None:
@@ -325,14 +359,14 @@ def test_a_method_and_workload_defined_here_reach_table1_and_the_figures(tmp_pat
 
 
 def test_one_message_for_an_unknown_name_in_every_registry():
-    for get, kind in ((get_method, "method"), (get_workload, "workload"), (get_backend, "engine")):
+    for get, kind in ((get_method, "method"), (get_workload, "workload"), (get_engine, "engine")):
         with pytest.raises(BenchError, match=rf"^unknown {kind} 'nope'; use one of "):
             get("nope")
     with pytest.raises(BenchError, match="use one of .*kvcmas, kvcmas-nonchained, kvcomm"):
         get_method("_hidden")
 
 
-# ---- a backend added from this file only --------------------------------------------------------
+# ---- an engine added from this file only --------------------------------------------------------
 class FakeTokenizer:
     chat_template = None
     name_or_path = "fake-chars"
@@ -341,7 +375,7 @@ class FakeTokenizer:
         return {"input_ids": [3 + ord(c) % 90 for c in text]}
 
 
-class FakeBackend:
+class FakeEngine:
     """Serves every request in 10 ms of prefill and 1 ms per output token, one at a time."""
 
     name = "fake"
@@ -361,7 +395,7 @@ class FakeBackend:
         return spec()
 
     def serve(self, method, traces, schedules) -> ServeResult:
-        FakeBackend.served.append(method.name)
+        FakeEngine.served.append(method.name)
         service = [[(0.01, 0.01 + 0.001 * a.max_new_tokens) for a in tr.agents] for tr in traces]
         out = {}
         for q, arrivals in schedules.items():
@@ -385,27 +419,27 @@ class FakeBackend:
 
 
 @pytest.fixture
-def fake_backend():
-    @register_backend("fake")
+def fake_engine():
+    @register_engine("fake")
     def make(**options):
-        return FakeBackend()
+        return FakeEngine()
 
     yield "fake"
-    BACKENDS.pop("fake", None)
+    ENGINES.pop("fake", None)
 
 
-def test_fake_backend_runs_through_serve_sweep(tmp_path, fake_backend, monkeypatch):
+def test_fake_engine_runs_through_serve_sweep(tmp_path, fake_engine, monkeypatch):
     from kvcmas_bench.serving import traces
 
     monkeypatch.setattr(traces, "mmlu_texts", lambda: [f"question {i} with options" for i in range(50)])
-    FakeBackend.served = []
+    FakeEngine.served = []
     out = tmp_path / "fake"
     assert (
         run_cli(
             [
                 "serve-sweep",
                 "--engine",
-                fake_backend,
+                fake_engine,
                 "--methods",
                 "nonshared,fullshared",
                 "--qps",
@@ -422,7 +456,7 @@ def test_fake_backend_runs_through_serve_sweep(tmp_path, fake_backend, monkeypat
         )
         == 0
     )
-    assert FakeBackend.served == ["nonshared", "fullshared"]
+    assert FakeEngine.served == ["nonshared", "fullshared"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["engine"] == "fake" and len(summary["rows"]) == 4
     single = next(r for r in summary["rows"] if r["method"] == "nonshared" and r["qps"] == 0.0)

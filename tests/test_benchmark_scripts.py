@@ -149,7 +149,7 @@ def test_random_model_keeps_the_architecture_and_says_its_weights_are_random(tin
     w_rand, w_real = lm.model.model.layers[0].mlp.up_proj.weight, real.model.model.layers[0].mlp.up_proj.weight
     assert w_rand.shape == w_real.shape and not torch.equal(w_rand, w_real)
     assert "random" not in real.name
-    from kvcmas_bench.serving.vllm.backend import _resolve_model
+    from kvcmas_bench.serving.vllm.inprocess import _resolve_model
 
     assert _resolve_model(str(out)) == (str(out), f"{out} (random weights)")  # the vLLM path's label too
     assert _resolve_model(tiny_model_dir) == (tiny_model_dir, tiny_model_dir)

@@ -63,7 +63,7 @@ def finished_run(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    """Fail the test if a job loads a model or a serving backend."""
+    """Fail the test if a job loads a model or a serving engine."""
     import kvcmas_bench.jobs.sweep as sweep
     import kvcmas_bench.modeling as modeling
 
@@ -71,7 +71,7 @@ def no_model(monkeypatch):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(modeling, "load_model", boom)
-    monkeypatch.setattr(sweep, "get_backend", boom)
+    monkeypatch.setattr(sweep, "get_engine", boom)
 
 
 def _replace_line(path: Path, n: int, text: bytes) -> None:
@@ -436,9 +436,9 @@ def test_serve_sweep_service_file_keeps_the_same_rules(tmp_path):
     """service.jsonl: a torn last line is dropped and re-measured; a corrupt middle line stops the
     sweep with one BenchError naming it and every file of the directory stays as it was."""
     from kvcmas_bench.errors import BenchError
-    from kvcmas_bench.jobs.sweep import serve_sweep
     from kvcmas_bench.modeling import LoadedModel
 
+    from .sweep_helper import serve_sweep
     from .test_serving import TEXTS, FakeTokenizer, quiet, tiny_model
 
     lm = LoadedModel(model=tiny_model("llama", layers=2), tokenizer=FakeTokenizer(), name="tiny", source="tests")

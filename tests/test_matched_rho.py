@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kvcmas_bench.errors import BenchError
-from kvcmas_bench.jobs.sweep import RHO_PRESETS, parse_matched_rho, serve_sweep
+from kvcmas_bench.jobs.sweep import RHO_PRESETS, parse_matched_rho
 from kvcmas_bench.results.request import RequestRecord
 from kvcmas_bench.serving.metrics import request_parts
 from kvcmas_bench.serving.traces import (
@@ -26,6 +26,7 @@ from kvcmas_bench.serving.traces import (
 )
 
 from .conftest import run_cli
+from .sweep_helper import serve_sweep
 from .test_serving import TEXTS, FakeTokenizer, one_thread, quiet, tiny_lm  # noqa: F401  (fixtures)
 
 

@@ -169,7 +169,7 @@ def test_anchor_dtype_help_lists_exactly_the_accepted_dtypes():
     for dt in options.ANCHOR_DTYPES:
         assert dt in options.KNOB_FLAGS["anchor_dtype"]
         assert cls(anchor_dtype=dt).anchor_dtype == dt
-    with pytest.raises(Exception, match="anchor-dtype"):
+    with pytest.raises(Exception, match="^anchor_dtype must be bfloat16"):
         cls(anchor_dtype="float64")
 
 
@@ -284,12 +284,12 @@ def test_ablate_sweeps_knobs_through_the_knob_converter():
     from kvcmas_bench.jobs.ablate import AblateOptions, sweep_points
     from kvcmas_bench.methods.knobs import convert
 
-    pts = sweep_points(AblateOptions("rank", values=["full"], delta_ranks=["full", "8"]), "mmlu", ["kvcmas"])
+    pts = sweep_points(AblateOptions(kind="rank", values=["full"], delta_ranks=["full", "8"]), "mmlu", ["kvcmas"])
     assert [p.method_args for p in pts] == [{"rank": None, "delta_rank": None}, {"rank": None, "delta_rank": 8}]
-    pts = sweep_points(AblateOptions("rank", values=["16", "none"]), "mmlu", ["kvcmas"])
+    pts = sweep_points(AblateOptions(kind="rank", values=["16", "none"]), "mmlu", ["kvcmas"])
     assert [p.method_args for p in pts] == [{"rank": 16, "delta_rank": None}, {"rank": None, "delta_rank": None}]
     cls = METHODS["kvcmas"]
-    for p in sweep_points(AblateOptions("tau", values=["0.25"], rhos=["0.5"]), "mmlu", ["kvcmas", "cacheblend"]):
+    for p in sweep_points(AblateOptions(kind="tau", values=["0.25"], rhos=["0.5"]), "mmlu", ["kvcmas", "cacheblend"]):
         for key, value in p.method_args.items():
             assert value == convert(METHODS[p.method], key, str(value)), (p.name, key)
     assert convert(cls, "rank", "full") is None
@@ -335,12 +335,17 @@ def test_choice_knobs_list_their_valid_values_and_kvcomm_has_no_factorization():
 
     from .conftest import run_cli
 
-    knobs = METHODS["kvcmas"].knobs()
-    assert _knob_text("svd", knobs["svd"]) == "svd='auto' (auto|gram|exact|subspace)"
+    kvcmas = METHODS["kvcmas"]
+    knobs = kvcmas.knobs()
+    assert _knob_text("svd", knobs["svd"], kvcmas) == "svd='auto' (auto|gram|exact|subspace)"
     assert knobs["svd"].metadata["choices"] == FACTORIZATIONS and knobs["gate_mode"].metadata["choices"] == GATES
-    assert _knob_text("anchor_dtype", knobs["anchor_dtype"]) == "anchor_dtype=None (none|bfloat16|float16|float32)"
+    assert (
+        _knob_text("anchor_dtype", knobs["anchor_dtype"], kvcmas) == "anchor_dtype=None (none|bfloat16|float16|float32)"
+    )
     assert knobs["anchor_dtype"].metadata["choices"] == (None, *options.ANCHOR_DTYPES)
-    assert _knob_text("tau", knobs["tau"]) == "tau=0.3"
+    per_workload = "gsm8k 0.32, humaneval 0.34, mathvista 0.5, mmlu 0.29, videomme 0.6"
+    assert _knob_text("tau", knobs["tau"], kvcmas) == f"tau=0.3 (per workload: {per_workload})"
+    assert _knob_text("tau", METHODS["kvcomm"].knobs()["tau"], METHODS["kvcomm"]) == "tau=0.3"  # keeps its own
     assert "svd" not in METHODS["kvcomm"].knobs() and "rank" not in METHODS["kvcomm"].knobs()
     assert run_cli(["run", "--method", "kvcomm", "--method-arg", "svd=gram", "-o", "/nonexistent/x"]) == 2
     assert run_cli(["run", "--method", "kvcmas", "--method-arg", "svd=qr", "-o", "/nonexistent/x"]) == 2

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from kvcmas_bench.errors import BenchError
-from kvcmas_bench.jobs.sweep import serve_sweep
 from kvcmas_bench.results.request import RequestRecord, SegmentRecord
-from kvcmas_bench.serving.arrivals import arrival_times, gaps
 from kvcmas_bench.results.stats import percentile
+from kvcmas_bench.serving.arrivals import arrival_times, gaps
 from kvcmas_bench.serving.queueing import simulate, wait_behind
 from kvcmas_bench.serving.traces import CTX_SLOT, build_traces, load_traces, save_traces
 
 from .conftest import VOCAB, tiny_model
+from .sweep_helper import serve_sweep
 
 TEXTS = [f"Question {i}: what is {i} plus {i * 7 % 13}? A. {i} B. {2 * i} C. {3 * i} D. none" for i in range(200)]
 
@@ -184,7 +184,7 @@ def test_traces_have_the_specified_structure_and_lengths():
 
 def test_replaying_a_saved_trace_gives_identical_requests(tmp_path, engine):
     from kvcmas_bench.methods import get_method
-    from kvcmas_bench.serving.backends import InProcessBackend
+    from kvcmas_bench.serving.engines import InProcessEngine
 
     tok = FakeTokenizer()
     trs = build_traces(tok, 2, shared_tokens=40, output_tokens=4, seed=1, calib_trajectories=1, texts=TEXTS)
@@ -201,7 +201,7 @@ def test_replaying_a_saved_trace_gives_identical_requests(tmp_path, engine):
             ]
             assert ra.max_new_tokens == rb.max_new_tokens
     # and the engine produces the same generated outputs from both
-    backend = InProcessBackend(engine.model, tok)
+    backend = InProcessEngine(engine.model, tok)
     m = get_method("fullshared")
     ra = backend.run_trajectory(trs[0], m)
     rb = backend.run_trajectory(back[0], m)

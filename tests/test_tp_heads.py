@@ -93,7 +93,7 @@ def test_kv_head_ranges_follow_vllms_sharding():
 def test_the_served_models_kv_width_is_one_ranks_heads():
     from types import SimpleNamespace
 
-    from kvcmas_bench.serving.vllm.backend import ServedModel
+    from kvcmas_bench.serving.vllm.inprocess import ServedModel
 
     def width(heads, attn, hidden, head_dim, tp):
         m = ServedModel()

@@ -1,4 +1,4 @@
-"""The vLLM serving backend (``serve-sweep --engine vllm``).
+"""The vLLM serving engine (``serve-sweep --engine vllm``).
 
 Tests marked ``needs_vllm`` run vLLM in this process on a tiny random Llama (head_dim 64, block
 size 32: what vLLM's CPU backend accepts) and are skipped, with the reason, when vLLM is not
@@ -320,8 +320,8 @@ def test_engine_options_of_both_vllm_engines_parse_through_one_parser(engine):
     """``--engine-arg`` values are converted to their field's type and checked the same way for the
     served deployment (ServerOptions) and the in-process engine (VLLMOptions); no vLLM needed."""
     from kvcmas_bench.errors import BenchError
-    from kvcmas_bench.serving.vllm.backend import VLLMOptions
     from kvcmas_bench.serving.vllm.http import ServerOptions
+    from kvcmas_bench.serving.vllm.inprocess import VLLMOptions
 
     cls = ServerOptions if engine == "vllm" else VLLMOptions
     opts = cls.parse({"block-size": "64", "max_model_len": "none", "prefix_caching": "yes", "kv_cache_gib": 2})
@@ -396,9 +396,9 @@ def vllm_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vb(vllm_model_dir):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from kvcmas_bench.serving import get_backend
+    from kvcmas_bench.serving import get_engine
 
-    b = get_backend("vllm-inprocess", model=vllm_model_dir, dtype="float32", **ENGINE_ARGS)
+    b = get_engine("vllm-inprocess", model=vllm_model_dir, dtype="float32", **ENGINE_ARGS)
     b.rt.logprobs = 5
     return b
 

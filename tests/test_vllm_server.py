@@ -58,9 +58,9 @@ def tiny_dir(vllm_model_dir):  # noqa: F811
 
 @pytest.fixture(scope="session")
 def srv(tiny_dir):
-    from kvcmas_bench.serving import get_backend
+    from kvcmas_bench.serving import get_engine
 
-    b = get_backend("vllm", model=tiny_dir, dtype="float32", **SERVER_ARGS)
+    b = get_engine("vllm", model=tiny_dir, dtype="float32", **SERVER_ARGS)
     b.logprobs = 5
     yield b
     b.close()
@@ -483,11 +483,11 @@ def test_cacheblend_on_the_server_is_the_in_process_cacheblend(srv, tiny_dir):
     """rho = 0.5 with the check at layer 0: the tokens the server's worker selects and recomputes
     give the in-process engine's first tokens, and the recomputation counts are, per shared segment
     of S tokens with a source, S at the check layer plus ceil(S / 2) at layer 1."""
-    from kvcmas_bench.serving import get_backend
+    from kvcmas_bench.serving import get_engine
 
     tr = _traces(srv, 1, ctx=120, seed=16)[0]
     served, _, _ = _run(srv, tr, _spec("cacheblend", rho=0.5, check_layer=0))
-    inproc = get_backend("in-process", model=tiny_dir, dtype="float32", warmup=False)
+    inproc = get_engine("in-process", model=tiny_dir, dtype="float32", warmup=False)
     local = inproc.measure(tr, _spec("cacheblend", rho=0.5, check_layer=0)())
     assert [r.first_token_id for r in served] == [r.first_token_id for r in local]
     for a, b in zip(served, local):
@@ -697,14 +697,14 @@ def test_tensor_parallel_2_reproduces_one_rank(tmp_path_factory):
     and KVCMAS with one exact full-rank anchor (V = 1) give TP=1's first tokens and logprobs; a gate
     over two anchors runs on both ranks with the distances summed over them (a rank that decided
     otherwise would fail the request), and rank 0 alone reports one record per request."""
-    from kvcmas_bench.serving import get_backend
+    from kvcmas_bench.serving import get_engine
     from kvcmas_bench.serving.traces import Trace
 
     model = tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama-2kv"), kv_heads=2)
 
     def serve(tp: int) -> dict:
         t0 = time.perf_counter()
-        b = get_backend("vllm", model=model, dtype="float32", tensor_parallel_size=tp, **SERVER_ARGS)
+        b = get_engine("vllm", model=model, dtype="float32", tensor_parallel_size=tp, **SERVER_ARGS)
         b.logprobs = 5
         try:
             assert ("--tensor-parallel-size" in b.command) == (tp > 1)

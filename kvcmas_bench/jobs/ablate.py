@@ -38,8 +38,10 @@ from ..results.frames import read_json
 from ..results.outdir import atomic_write, lock_output_dir
 from ..results.records import corrupt_input, read_run_files, request_steps, write_json
 from ..results.request import SegmentRecord
+from ..settings import EvalSettings, cli, comma_items, comma_list, derive
 from ..workloads import get_workload
 from .run import RunOptions, select_samples
+from .suite import STRICT_KEYS as SUITE_STRICT_KEYS
 from .suite import is_done, resume_manifest, run_cell
 
 KINDS = ("rank", "anchors", "tau", "agents", "rounds")
@@ -61,45 +63,28 @@ DEFAULT_METHODS = {
 DEFAULT_RHOS = (0.6, 0.8, 0.9)
 #: the knobs each kind sets per point (not to be given as options too)
 SWEPT_KNOBS = {"rank": ("rank", "delta_rank"), "anchors": ("anchors",), "tau": ("tau", "gate_mode", "rho")}
-#: settings a resumed ablation directory must share
-STRICT_KEYS = (
-    "kind",
-    "model",
-    "dtype",
-    "seed",
-    "max_new_tokens",
-    "final_max_new_tokens",
-    "fidelity",
-    "calib_samples",
-    "topology",
-    "method_args",
-)
+#: settings a resumed ablation directory must share: a suite's, the kind and the topology
+STRICT_KEYS = ("kind", *SUITE_STRICT_KEYS, "topology")
 
 
-@dataclass
-class AblateOptions:
+@dataclass(kw_only=True)
+class AblateOptions(EvalSettings):
+    """One ``ablate`` (or ``analyze chain``) sweep (the shared settings:
+    :class:`~kvcmas_bench.settings.EvalSettings`)."""
+
     kind: str
-    values: list[str] | None = None
-    delta_ranks: list[str] | None = None
+    values: list[str] | None = cli(None, parse=comma_list)
+    delta_ranks: list[str] | None = cli(None, parse=comma_list)
     #: ``tau``: the gates (default both) and the reuse ratios of the recomputation methods
-    gates: list[str] | None = None
+    gates: list[str] | None = cli(None, parse=comma_list)
     #: numbers or their text (converted as the ``rho`` knob)
-    rhos: list[float | str] | None = None
-    methods: list[str] | None = None
-    workloads: list[str] = field(default_factory=lambda: ["mmlu"])
+    rhos: list[float | str] | None = cli(None, parse=comma_list)
+    methods: list[str] | None = cli(None, parse=comma_list)
+    workloads: list[str] = cli(parse=comma_items, factory=lambda: ["mmlu"])
     limit: int | None = 8
-    seed: int = 0
     output_path: str = "runs/ablate"
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "float32"
-    max_new_tokens: int | None = None
-    final_max_new_tokens: int | None = None
     fidelity: bool = True
-    calib_samples: int = 4
     topology: str = "chain"
-    #: knob values for every method that has them (typed flags and ``--method-arg`` pairs)
-    method_args: dict = field(default_factory=dict)
     #: run NonShared too (the reference of agreement)
     reference: bool = True
     plots: bool = True
@@ -304,19 +289,13 @@ def _check_point(opts: AblateOptions, p: Point, workload) -> None:
 
 
 def _run_options(opts: AblateOptions, p: Point, out_dir: Path) -> RunOptions:
-    return RunOptions(
+    return derive(
+        RunOptions,
+        opts,
+        EvalSettings,
         method=p.method,
         workload=p.workload,
-        model=opts.model,
-        limit=opts.limit,
         output_path=str(out_dir / p.workload / p.name),
-        seed=opts.seed,
-        device=opts.device,
-        dtype=opts.dtype,
-        max_new_tokens=opts.max_new_tokens,
-        final_max_new_tokens=opts.final_max_new_tokens,
-        fidelity=opts.fidelity,
-        calib_samples=opts.calib_samples,
         topology=opts.topology,
         agents=p.agents,
         rounds=p.rounds,

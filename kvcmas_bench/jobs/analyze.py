@@ -25,25 +25,22 @@ from ..ops.lowrank import canonical_keys, to_rows
 from ..results.outdir import atomic_write, lock_output_dir
 from ..results.records import write_json
 from ..segments import Request
+from ..settings import SampleSettings, cli, comma_ints, comma_items
 from ..workflow import Workflow
 from ..workloads import get_workload
 from .ablate import AblateOptions, run_ablation
 from .run import select_samples
 
 
-@dataclass
-class RankOptions:
-    workloads: list[str] = field(default_factory=lambda: ["mmlu"])
+@dataclass(kw_only=True)
+class RankOptions(SampleSettings):
+    """One ``analyze rank`` (the shared settings: :class:`~kvcmas_bench.settings.SampleSettings`)."""
+
+    workloads: list[str] = cli(parse=comma_items, factory=lambda: ["mmlu"])
     limit: int = 8
-    seed: int = 0
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "float32"
-    max_new_tokens: int | None = None
-    final_max_new_tokens: int | None = None
     #: share of the squared singular values the effective rank keeps
     energy: float = 0.9
-    ranks: Sequence[int] = DEFAULT_RANKS
+    ranks: Sequence[int] = cli(DEFAULT_RANKS, parse=comma_ints)
     output_path: str = "runs/analyze-rank"
     plots: bool = True
 
@@ -56,12 +53,7 @@ class RankOptions:
             raise BenchError(f"--energy must lie in (0, 1], got {self.energy}")
         if not self.ranks or any(r < 1 for r in self.ranks):
             raise BenchError(f"--ranks takes positive integers, got {','.join(map(str, self.ranks))!r}")
-        for flag, v in (
-            ("--max-new-tokens", self.max_new_tokens),
-            ("--final-max-new-tokens", self.final_max_new_tokens),
-        ):
-            if v is not None and v < 1:
-                raise BenchError(f"{flag} must be a positive integer, got {v}")
+        self.check_samples()
         if not self.workloads:
             raise BenchError("no workloads given (comma-separated, e.g. mmlu,gsm8k)")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +14,7 @@ from ..errors import BenchError
 from ..methods import resolve_methods
 from ..results.outdir import atomic_write, lock_output_dir
 from ..results.records import write_json
+from ..settings import MethodSettings, SampleSettings, cli, comma_floats
 from ..workflow import Workflow
 from ..workloads import get_workload
 from .run import select_samples
@@ -33,47 +34,48 @@ def criterion_options(method_args: dict | None) -> dict:
     return {CRITERION_KNOBS[k]: merged[k] for k in args}
 
 
-def coverage_report(
-    workload: str,
-    limit: int,
-    rhos: Sequence[float],
-    model: str | None = None,
-    device: str = "auto",
-    dtype: str = "float32",
-    seed: int = 0,
-    max_new_tokens: int | None = None,
-    output_path: str = "runs/coverage",
-    method_args: dict | None = None,
-) -> pd.DataFrame:
+@dataclass(kw_only=True)
+class CoverageOptions(SampleSettings, MethodSettings):
+    """One ``analyze coverage`` (the shared settings: :class:`~kvcmas_bench.settings.SampleSettings`;
+    ``method_args``: the criteria's options)."""
+
+    workload: str = "mmlu"
+    limit: int = 4
+    #: reuse ratios; the recomputation budget is 1 - rho
+    rhos: list[float] = cli(parse=comma_floats, flag="--rho", factory=lambda: [0.9, 0.8])
+    output_path: str = "runs/coverage"
+
+    def validate(self) -> None:
+        self.check_samples()
+        for r in self.rhos:
+            if not 0.0 <= r <= 1.0:
+                raise BenchError(f"--rho must lie in [0, 1], got {r}")
+        if not self.rhos:
+            raise BenchError("no --rho values given")
+
+
+def coverage_report(opts: CoverageOptions) -> pd.DataFrame:
     """Run ``limit`` samples densely, record every reused segment's source/exact caches and
     attention importance, and tabulate coverage for each ``rho``; saved as CSV and JSON."""
     from ..modeling import load_model, resolve_device, resolve_dtype
 
-    if limit < 1:
-        raise BenchError(f"--limit must be a positive integer, got {limit}")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise BenchError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
-    for r in rhos:
-        if not 0.0 <= r <= 1.0:
-            raise BenchError(f"--rho must lie in [0, 1], got {r}")
-    if not rhos:
-        raise BenchError("no --rho values given")
-    options = criterion_options(method_args)
-    wl = get_workload(workload)
-    resolve_device(device)
-    resolve_dtype(dtype)
-    path = Path(output_path)
+    opts.validate()
+    options = criterion_options(opts.method_args)
+    wl = get_workload(opts.workload)
+    resolve_device(opts.device)
+    resolve_dtype(opts.dtype)
+    path = Path(opts.output_path)
     with lock_output_dir(path):  # a busy, unwritable or file output path fails before any work
-        samples = select_samples(wl.load(), limit, seed)
-        lm = load_model(model, dtype, device)
+        samples = select_samples(wl.load(), opts.limit, opts.seed)
+        lm = load_model(opts.model, opts.dtype, opts.device)
         rec = ImportanceRecorder()
-        flow = Workflow(Engine(lm.model, lm.tokenizer), rec, wl, max_new_tokens)
+        flow = Workflow(Engine(lm.model, lm.tokenizer), rec, wl, opts.max_new_tokens)
         for s in samples:
             flow.run_unit(s)
         if not rec.observations:
             raise BenchError("no reused segments observed")
         frames = []
-        for r in rhos:
+        for r in opts.rhos:
             df = reconstruction_coverage(rec.observations, 1.0 - r, importance=rec.importance, **options)
             df.insert(0, "rho", r)
             frames.append(df)
@@ -82,7 +84,7 @@ def coverage_report(
         write_json(
             path / "coverage.json",
             {
-                "workload": workload,
+                "workload": opts.workload,
                 "model": lm.name,
                 "samples": [s.id for s in samples],
                 "options": options,

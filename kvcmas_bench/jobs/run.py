@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..calibration import auto_tau, collect
 from ..engine import Engine
@@ -17,6 +17,7 @@ from ..results.request import RequestRecord
 from ..results.state import MethodStateStore
 from ..results.summary import summarize
 from ..segments import UIDS
+from ..settings import EvalSettings, check_positive, cli, comma_list
 from ..workflow import TOPOLOGIES, Workflow, plan, request_records
 from ..workloads import Workload, get_workload
 
@@ -24,52 +25,35 @@ from ..workloads import Workload, get_workload
 MAX_AGENTS = 64
 
 
-@dataclass
-class RunOptions:
+@dataclass(kw_only=True)
+class RunOptions(EvalSettings):
+    """One ``run``: a method on a workload (the shared settings: :class:`~kvcmas_bench.settings.EvalSettings`)."""
+
     method: str = "nonshared"
     workload: str = "mmlu"
-    model: str | None = None
-    limit: int | None = None
     output_path: str = "runs/latest"
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "float32"
-    subjects: list[str] | None = None
+    #: MMLU subjects (None: all)
+    subjects: list[str] | None = cli(None, parse=comma_list)
+    #: a local data file or ``hub[:repo]`` (videomme: the folder of its videos)
     data_path: str | None = None
-    max_new_tokens: int | None = None
-    final_max_new_tokens: int | None = None
-    fidelity: bool = False
-    calib_samples: int = 4
     topology: str = "chain"
     agents: int | None = None
     rounds: int = 1
+    #: pick tau on calibration samples to reach this reuse ratio (KVCMAS/KVComm)
     target_reuse: float | None = None
-    #: method knobs: the typed flags (tau, rank, anchors, rho, anchor_dtype; None = unset) and
-    #: ``--method-arg KEY=VALUE`` pairs, resolved by :func:`~kvcmas_bench.methods.resolve_method`
-    method_args: dict = field(default_factory=dict)
 
     def validate(self) -> None:
         """Job options (method knobs are validated by the method itself)."""
         if self.target_reuse is not None and not 0.0 <= self.target_reuse <= 1.0:
             raise BenchError(f"--target-reuse must lie in [0, 1], got {self.target_reuse}")
-        if self.calib_samples < 1:
-            raise BenchError(f"--calib-samples must be a positive integer, got {self.calib_samples}")
         if self.topology not in TOPOLOGIES:
             raise BenchError(f"unknown --topology {self.topology!r}; use one of {', '.join(TOPOLOGIES)}")
         if self.agents is not None and not 2 <= self.agents <= MAX_AGENTS:
             raise BenchError(
                 f"--agents must lie in [2, {MAX_AGENTS}] (task agents + the final agent), got {self.agents}"
             )
-        if self.rounds < 1:
-            raise BenchError(f"--rounds must be a positive integer, got {self.rounds}")
-        if self.limit is not None and self.limit < 1:
-            raise BenchError(f"--limit must be a positive integer, got {self.limit}")
-        for flag, v in (
-            ("--max-new-tokens", self.max_new_tokens),
-            ("--final-max-new-tokens", self.final_max_new_tokens),
-        ):
-            if v is not None and v < 1:
-                raise BenchError(f"{flag} must be a positive integer, got {v}")
+        check_positive(rounds=self.rounds)
+        self.check_eval()
 
 
 def select_samples(samples: list, limit: int | None, seed: int) -> list:

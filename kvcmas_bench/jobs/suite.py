@@ -39,6 +39,7 @@ from ..methods import METHODS, expand_methods, resolve_methods
 from ..results.frames import read_json
 from ..results.outdir import lock_output_dir
 from ..results.records import write_json
+from ..settings import EvalSettings, cli, comma_items, derive
 from ..workloads import get_workload
 from .run import RunOptions, select_samples
 from .run import run as run_job
@@ -56,23 +57,16 @@ STRICT_KEYS = (
 )
 
 
-@dataclass
-class SuiteOptions:
-    methods: list[str] = field(default_factory=lambda: ["all"])
-    workloads: list[str] = field(default_factory=lambda: ["mmlu"])
-    limit: int | None = None
-    seed: int = 0
+@dataclass(kw_only=True)
+class SuiteOptions(EvalSettings):
+    """One ``suite``: methods x workloads (the shared settings: :class:`~kvcmas_bench.settings.EvalSettings`)."""
+
+    methods: list[str] = cli(parse=comma_items, factory=lambda: ["all"])
+    workloads: list[str] = cli(parse=comma_items, factory=lambda: ["mmlu"])
     output_path: str = "runs/suite"
-    model: str | None = None
-    device: str = "auto"
-    dtype: str = "float32"
-    max_new_tokens: int | None = None
-    final_max_new_tokens: int | None = None
-    fidelity: bool = False
-    calib_samples: int = 4
-    #: knob values for every method that has them (typed flags and ``--method-arg`` pairs)
-    method_args: dict = field(default_factory=dict)
-    report_formats: list[str] = field(default_factory=lambda: ["md", "html"])
+    report_formats: list[str] = cli(
+        source="report_format", parse=comma_items, flag="--format", factory=lambda: ["md", "html"]
+    )
     plots: bool = True
     #: runs of every cell, repeat r with seed ``seed + r``
     repeats: int = 1
@@ -109,19 +103,14 @@ class SuiteResult:
 def run_options(opts: SuiteOptions, cell: Cell) -> RunOptions:
     """The ``run`` options of one cell (method options filtered to the method's own knobs)."""
     knobs = METHODS[cell.method].knobs()
-    return RunOptions(
+    return derive(
+        RunOptions,
+        opts,
+        EvalSettings,
         method=cell.method,
         workload=cell.workload,
-        model=opts.model,
-        limit=opts.limit,
         output_path=str(Path(opts.output_path) / cell.name),
         seed=opts.seed + cell.repeat,
-        device=opts.device,
-        dtype=opts.dtype,
-        max_new_tokens=opts.max_new_tokens,
-        final_max_new_tokens=opts.final_max_new_tokens,
-        fidelity=opts.fidelity,
-        calib_samples=opts.calib_samples,
         method_args={k: v for k, v in opts.method_args.items() if k in knobs},
     )
 

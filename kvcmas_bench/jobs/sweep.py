@@ -1,11 +1,11 @@
-"""The ``serve-sweep`` job: serve controlled traces with every method on a backend, across QPS.
+"""The ``serve-sweep`` job: serve controlled traces with every method on an engine, across QPS.
 
 For every shared-context length the controlled traces (:mod:`~kvcmas_bench.serving.traces`) are
 built once (or loaded), each method is prepared on the backend (calibration and warm-up on held-out
-trajectories) and the backend serves the evaluated trajectories under the seeded arrivals of every
+trajectories) and the engine serves the evaluated trajectories under the seeded arrivals of every
 QPS value (:mod:`~kvcmas_bench.serving.arrivals`; the same pattern, scaled by 1/qps, for every
 method), returning served timelines. QPS counts trajectory starts per second; agent ``j + 1``
-arrives when agent ``j`` completes; QPS 0 is single stream. The in-process backend measures each
+arrives when agent ``j`` completes; QPS 0 is single stream. The in-process engine measures each
 request once in isolation and replays the service times on a one-request-at-a-time FCFS server.
 
 Matched reuse ratio (``matched_rho``, ``--matched-rho DELTA[,RECOMPUTE]`` or a paper preset): the
@@ -17,7 +17,7 @@ RECOMPUTE`` instead. Without it nothing is scheduled and ``--rho`` reaches the r
 only, as before.
 
 Output directory: ``config.json``, ``traces.jsonl`` (replayable), ``service.jsonl`` (one isolated
-measurement a line, replaying backends), ``requests.jsonl`` (one served request per
+measurement a line, replaying engines), ``requests.jsonl`` (one served request per
 method/shared/qps a line, with its timeline), ``summary.json`` (one row per method/shared/qps) and
 the TTFT plots. Measuring resumes: (method, shared length) pairs already in ``service.jsonl`` are not
 measured again when the measurement settings match; :func:`evaluate_service` re-sweeps saved
@@ -44,7 +44,7 @@ from ..results.provenance import provenance
 from ..results.records import read_jsonl_objects, write_json
 from ..results.request import RequestRecord
 from ..serving.arrivals import arrival_times, check_rate
-from ..serving.backends import BACKEND_LIMITS, Backend, check_backend, get_backend, replay_all
+from ..serving.engines import ENGINE_LIMITS, ServingEngine, check_engine, get_engine, replay_all
 from ..serving.metrics import DEFINITIONS, QPS_UNIT, capacity, mark_saturation, sweep_row
 from ..serving.traces import (
     DEFAULT_ACCUMULATED_CONTEXT,
@@ -57,6 +57,7 @@ from ..serving.traces import (
     load_traces,
     scheduled_rho,
 )
+from ..settings import MethodSettings, ModelSettings, cli, comma_floats, comma_ints, comma_list, pairs
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -214,8 +215,8 @@ def check_fits(traces: Sequence[Trace], max_positions: int | None, vocab: int | 
 
 def engine_methods(engine: str, asked: Sequence[str], names: list[str], backend=None) -> list[str]:
     """``--method all`` on an engine that cannot run every method: the ones it can (named ones are
-    checked by :func:`~kvcmas_bench.serving.backends.check_backend` and refused)."""
-    why_not = BACKEND_LIMITS.get(engine) or getattr(backend, "why_unsupported", None)
+    checked by :func:`~kvcmas_bench.serving.engines.check_engine` and refused)."""
+    why_not = ENGINE_LIMITS.get(engine) or getattr(backend, "why_unsupported", None)
     if why_not is None or "all" not in [a.strip().lower() for a in asked]:
         return names
     from ..methods import method_class
@@ -307,7 +308,13 @@ def _built_groups(
 
 
 def sweep_config(
-    sweep: SweepSpec, backend: Backend, traces_text: str, method_args: dict, dtype: str, ignore_eos: bool, warmup: bool
+    sweep: SweepSpec,
+    backend: ServingEngine,
+    traces_text: str,
+    method_args: dict,
+    dtype: str,
+    ignore_eos: bool,
+    warmup: bool,
 ) -> dict:
     traces = sweep.traces
     device = str(backend.describe().get("device"))
@@ -381,30 +388,24 @@ def open_dir(out_dir: Path, config: dict, num_trajectories: int) -> Measured:
     return saved
 
 
-@dataclass
-class SweepOptions:
+@dataclass(kw_only=True)
+class SweepOptions(ModelSettings, MethodSettings):
     """Every setting of one ``serve-sweep`` (the CLI builds one from its flags; :func:`run_sweep`
-    runs it). ``model``, ``device``, ``dtype``, ``seed``, ``output_path``, ``method_args`` and
-    ``plots`` mean what they mean in :class:`~kvcmas_bench.jobs.run.RunOptions`."""
+    runs it). The shared settings (model, device, dtype, seed, output path, method knobs):
+    :class:`~kvcmas_bench.settings.ModelSettings` and :class:`~kvcmas_bench.settings.MethodSettings`;
+    the seed also draws the arrival pattern and the rho schedule."""
 
     #: method names or ``["all"]`` (on an engine that cannot run every method: the ones it can)
-    methods: list[str] = field(default_factory=lambda: ["all"])
+    methods: list[str] = cli(parse=comma_list, factory=lambda: ["all"])
     #: trajectory arrival rates in trajectory starts per second; 0 = single stream
-    qps: list[float] = field(default_factory=lambda: [0.0, 1.0, 2.0, 4.0, 8.0])
+    qps: list[float] = cli(parse=comma_floats, factory=lambda: [0.0, 1.0, 2.0, 4.0, 8.0])
     #: non-generated shared context lengths (accumulated: output lengths; traces_path: those kept, [] = all)
-    shared_tokens: list[int] = field(default_factory=lambda: [2048])
+    shared_tokens: list[int] = cli(parse=comma_ints, factory=lambda: [2048])
     #: evaluated trajectories per shared length
     num_trajectories: int = 4
-    #: output directory; a sweep run again into it resumes (saved measurements are not measured again)
     output_path: str = "runs/serve-sweep"
-    #: HF model id, local HF folder, .gguf file or a loaded model (None: the default model); for ``engine`` names only
+    #: also a loaded model (for an ``engine`` given as a name only)
     model: str | LoadedModel | None = None
-    #: cpu, cuda, cuda:N or auto (for ``engine`` names only)
-    device: str = "auto"
-    #: float32, bfloat16 or float16
-    dtype: str = "float32"
-    #: seed of the traces, the arrival pattern (scaled by 1/qps, the same for every method), the rho schedule
-    seed: int = 0
     #: gamma shape of the inter-arrival gaps (1 = Poisson), as ``vllm bench serve``
     burstiness: float = 1.0
     #: tokens each agent generates
@@ -412,21 +413,19 @@ class SweepOptions:
     #: shared context accumulated from agent outputs over ``context_tokens``, ``// 3`` per agent (paper B.6)
     accumulated: bool = False
     #: replay a saved ``traces.jsonl`` exactly instead of building traces
-    traces_path: str | None = None
+    traces_path: str | None = cli(None, source="traces")
     #: context tokens of accumulated traces
     context_tokens: int = DEFAULT_ACCUMULATED_CONTEXT
     #: held-out trajectories per shared length for calibration / pool warm-up
     calib_trajectories: int = 2
     #: more held-out trajectories served before measurement (pools in steady state; excluded from statistics)
     warmup_trajectories: int = 0
-    #: method knobs (typed flags and ``--method-arg`` pairs; None = unset), checked before any model loads
-    method_args: dict = field(default_factory=dict)
     #: matched reuse ratio ("DELTA[,RECOMPUTE]", a preset, a pair, a MatchedRho); sets rho, so method_args must not
     matched_rho: str | Sequence[float] | MatchedRho | None = None
-    #: a registered engine name (``kvcmas-bench engines``), started with the settings here, or a Backend instance
-    engine: str | Backend = "in-process"
+    #: a registered engine name (``kvcmas-bench engines``), started with the settings here, or a ServingEngine instance
+    engine: str | ServingEngine = "in-process"
     #: engine-specific options (``--engine-arg KEY=VALUE``: vLLM block size, KV cache size ...), checked early
-    engine_options: dict = field(default_factory=dict)
+    engine_options: dict = cli(source="engine_arg", parse=pairs, factory=dict)
     #: generate exactly ``output_tokens`` per agent, EOS ignored (a started engine's setting)
     ignore_eos: bool = True
     #: warm each method up on the held-out trajectories before measuring (a started engine's setting)
@@ -470,51 +469,11 @@ def run_sweep(
     # a busy or unwritable output path fails before the model loads; a server this sweep starts
     # (--engine vllm) stops with it
     with lock_output_dir(out_dir), contextlib.ExitStack() as opened:
-        backend = _open_backend(opts, plan.engine_name, opened)
+        backend = _open_engine(opts, plan.engine_name, opened)
         sweep, config, saved = prepare(opts, plan, backend, say)
         timelines = serve(sweep, backend, saved, config, out_dir / "service.jsonl", say)
         _write_config(out_dir, config, backend)
         return write(out_dir, config, timelines, opts.plots, console if opts.show_table else None)
-
-
-def serve_sweep(
-    methods: Sequence[str],
-    qps: Sequence[float],
-    shared_tokens: Sequence[int],
-    num_trajectories: int,
-    output_path: str,
-    model=None,
-    device: str = "auto",
-    dtype: str = "float32",
-    seed: int = 0,
-    burstiness: float = 1.0,
-    output_tokens: int = 128,
-    accumulated: bool = False,
-    traces_path: str | None = None,
-    *,
-    context_tokens: int = DEFAULT_ACCUMULATED_CONTEXT,
-    calib_trajectories: int = 2,
-    method_args: dict | None = None,
-    ignore_eos: bool = True,
-    warmup: bool = True,
-    plots: bool = True,
-    console=None,
-    show_table: bool = True,
-    progress: Callable[[str], None] | None = None,
-    texts=None,
-    backend: Backend | str | None = None,
-    warmup_trajectories: int = 0,
-    engine_options: dict | None = None,
-    matched_rho=None,
-) -> dict:
-    """:func:`run_sweep` with the settings as arguments (:class:`SweepOptions` explains each);
-    ``backend`` is ``SweepOptions.engine`` (None: ``in-process``)."""
-    settings = dict(locals())  # exactly the parameters: every one but these three is a field
-    hooks = {k: settings.pop(k) for k in ("progress", "console")}
-    engine = settings.pop("backend")
-    settings.update(method_args=method_args or {}, engine_options=engine_options or {})
-    opts = SweepOptions(**settings, engine="in-process" if engine is None else engine)
-    return run_sweep(opts, **hooks)
 
 
 def resolve(opts: SweepOptions) -> SweepPlan:
@@ -540,7 +499,7 @@ def resolve(opts: SweepOptions) -> SweepPlan:
 
 
 def prepare(
-    opts: SweepOptions, plan: SweepPlan, backend: Backend, say: Callable[[str], None]
+    opts: SweepOptions, plan: SweepPlan, backend: ServingEngine, say: Callable[[str], None]
 ) -> tuple[SweepSpec, dict, Measured]:
     """The traces of every shared length (loaded, or built with the engine's tokenizer) with their
     matched-rho schedule, the sweep's configuration, and the output directory opened: checked
@@ -566,7 +525,7 @@ def _method_specs(
     methods: Sequence[str],
     names: list[str],
     engine_name: str,
-    backend: Backend | str | None,
+    backend: ServingEngine | str | None,
     matched: MatchedRho | None,
     method_args: dict | None,
 ) -> dict[str, MethodSpec]:
@@ -581,12 +540,12 @@ def _method_specs(
     return specs
 
 
-def _check_support(engine_name: str, backend: Backend | str | None, specs: dict[str, MethodSpec]) -> None:
+def _check_support(engine_name: str, backend: ServingEngine | str | None, specs: dict[str, MethodSpec]) -> None:
     """Refuse methods the engine cannot run: a registered engine by name (an unknown one too, see
-    :func:`~kvcmas_bench.serving.backends.check_backend`), a backend instance by its
+    :func:`~kvcmas_bench.serving.engines.check_engine`), an engine instance by its
     ``why_unsupported``."""
     if isinstance(backend, str) or backend is None:
-        check_backend(engine_name, specs)
+        check_engine(engine_name, specs)
         return
     why_not = getattr(backend, "why_unsupported", None)
     if why_not is None:
@@ -604,12 +563,12 @@ def _needs_calibration(specs: dict[str, MethodSpec], calib_trajectories: int, tr
     return needs
 
 
-def _open_backend(opts: SweepOptions, engine_name: str, opened: contextlib.ExitStack) -> Backend:
-    """The given backend instance, or the registered engine ``engine_name`` started (the model
+def _open_engine(opts: SweepOptions, engine_name: str, opened: contextlib.ExitStack) -> ServingEngine:
+    """The given engine instance, or the registered engine ``engine_name`` started (the model
     loads), closed when ``opened`` closes."""
     if not isinstance(opts.engine, str):
         return opts.engine
-    backend = get_backend(
+    backend = get_engine(
         engine_name,
         model=opts.model,
         device=opts.device,
@@ -624,9 +583,9 @@ def _open_backend(opts: SweepOptions, engine_name: str, opened: contextlib.ExitS
 
 
 def _set_traces(
-    sweep: SweepSpec, backend: Backend, loaded: list[Trace] | None, needs_calib: list[str], opts: SweepOptions
+    sweep: SweepSpec, backend: ServingEngine, loaded: list[Trace] | None, needs_calib: list[str], opts: SweepOptions
 ) -> None:
-    """``sweep.groups``: the loaded traces (``--traces``) or ones built with the backend's
+    """``sweep.groups``: the loaded traces (``--traces``) or ones built with the engine's
     tokenizer, per shared length, checked against the model's context and vocabulary."""
     if loaded is not None:
         sweep.groups = _groups_from_file(
@@ -648,10 +607,10 @@ def _set_traces(
     check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
 
 
-def _write_config(out_dir: Path, config: dict, backend: Backend) -> None:
-    """``config.json`` with the backend's current description. Written before serving, so that a
+def _write_config(out_dir: Path, config: dict, backend: ServingEngine) -> None:
+    """``config.json`` with the engine's current description. Written before serving, so that a
     killed sweep resumes its saved measurements (:func:`open_dir` needs it), and again after, with
-    the method configurations and the backend state (peak resets) serving added."""
+    the method configurations and the engine state (peak resets) serving added."""
     config["backend_config"] = backend.describe()
     write_json(out_dir / "config.json", config)
 
@@ -725,7 +684,12 @@ def matched_config(sweep: SweepSpec, matched: MatchedRho | None) -> dict:
 
 
 def serve(
-    sweep: SweepSpec, backend: Backend, saved: Measured, config: dict, service_path: Path, say: Callable[[str], None]
+    sweep: SweepSpec,
+    backend: ServingEngine,
+    saved: Measured,
+    config: dict,
+    service_path: Path,
+    say: Callable[[str], None],
 ) -> dict[tuple[str, int], dict[float, list[RequestRecord]]]:
     """Every (method, shared length) group: reuse saved measurements where possible, else prepare the
     method on the held-out trajectories and serve the evaluated ones (measurements appended to

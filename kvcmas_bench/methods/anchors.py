@@ -228,7 +228,7 @@ class AnchorPool:
     def find(self, instance: str) -> Anchor | None:
         return next((a for a in self.anchors if a.instance == instance), None)
 
-    def add(
+    def add(  # noqa: PLR0913  (the K/V base and delta of one observation, its key and factorization)
         self,
         instance: str,
         source_key: tuple,

@@ -27,7 +27,18 @@ from ..segments import KVCache, SegmentKV
 
 #: name -> method class, filled by ``@register`` as the method modules are imported
 METHODS: Registry[type[Method]] = Registry("method")
-register = METHODS.register
+
+
+def register(cls: type[Method] | None = None, *, name: str | None = None):
+    """Register a method class (``@register``, or ``@register(name="x")``), made a dataclass first
+    unless it is one already: its knobs are its fields."""
+
+    def deco(c: type[Method]) -> type[Method]:
+        if "__dataclass_fields__" not in c.__dict__:
+            c = dataclasses.dataclass(c)
+        return METHODS.register(c, name=name)
+
+    return deco if cls is None else deco(cls)
 
 
 def state(default=dataclasses.MISSING, *, init: bool = False, **kw):
@@ -39,10 +50,12 @@ def state(default=dataclasses.MISSING, *, init: bool = False, **kw):
     return dataclasses.field(init=init, repr=False, metadata={"state": True}, **kw)
 
 
-def check(ok: bool, message: str) -> None:
-    """Raise the user-facing option error when ``ok`` is false."""
+def check(ok: bool, knob: str, message: str) -> None:
+    """Raise the user-facing option error about ``knob`` when ``ok`` is false. ``message`` says what
+    the value must be (``must lie in [0, 1], got 2``); the command line names the knob the way the
+    user gave it (``--tau``, ``--method-arg check-layer=-1``)."""
     if not ok:
-        raise OptionError(message)
+        raise OptionError(message, knob=knob)
 
 
 @dataclass

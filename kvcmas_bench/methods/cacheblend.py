@@ -3,8 +3,6 @@ recomputation of a reused segment."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..engine import SegmentContext
@@ -23,7 +21,6 @@ def reuse_as_is(ctx: SegmentContext) -> SegmentKV:
 
 
 @register
-@dataclass
 class CacheBlend(Method):
     """Token-selective recomputation by KV deviation at a check layer.
 
@@ -63,9 +60,9 @@ class CacheBlend(Method):
     score_on: str = "k"
 
     def validate(self) -> None:
-        check(0.0 <= self.rho <= 1.0, f"--rho must lie in [0, 1], got {self.rho}")
-        check(self.check_layer >= 0, f"check_layer must be >= 0, got {self.check_layer}")
-        check(self.score_on in ("k", "v"), f"score_on must be 'k' or 'v', got {self.score_on!r}")
+        check(0.0 <= self.rho <= 1.0, "rho", f"must lie in [0, 1], got {self.rho}")
+        check(self.check_layer >= 0, "check_layer", f"must be >= 0, got {self.check_layer}")
+        check(self.score_on in ("k", "v"), "score_on", f"must be 'k' or 'v', got {self.score_on!r}")
 
     def materialize(self, ctx: SegmentContext) -> SegmentKV:
         if ctx.source is None:

@@ -142,33 +142,39 @@ class OnlineDeltaCorrection(Method):
     none_words = {"rank": "full"}
 
     def validate(self) -> None:
-        check(self.anchors >= 1, f"--anchors must be a positive integer, got {self.anchors}")
-        check(0.0 <= self.tau <= 1.0, f"--tau must lie in [0, 1], got {self.tau}")
-        check(self.rank is None or self.rank >= 1, f"--rank must be a positive integer, got {self.rank}")
+        check(self.anchors >= 1, "anchors", f"must be a positive integer, got {self.anchors}")
+        check(0.0 <= self.tau <= 1.0, "tau", f"must lie in [0, 1], got {self.tau}")
+        check(self.rank is None or self.rank >= 1, "rank", f"must be a positive integer, got {self.rank}")
         check(
             self.delta_rank is None or self.delta_rank >= 1,
-            f"delta_rank must be a positive integer or none, got {self.delta_rank}",
+            "delta_rank",
+            f"must be a positive integer or none, got {self.delta_rank}",
         )
-        check(self.gate_mode in GATES, f"gate_mode must be one of {', '.join(GATES)}, got {self.gate_mode!r}")
+        check(self.gate_mode in GATES, "gate_mode", f"must be one of {', '.join(GATES)}, got {self.gate_mode!r}")
         check(
             self.gate_temperature > 0 and math.isfinite(self.gate_temperature),
-            f"gate_temperature must be a positive number, got {self.gate_temperature}",
+            "gate_temperature",
+            f"must be a positive number, got {self.gate_temperature}",
         )
         check(
             self.temperature > 0 and math.isfinite(self.temperature),
-            f"temperature must be a positive number, got {self.temperature}",
+            "temperature",
+            f"must be a positive number, got {self.temperature}",
         )
-        check(0.0 < self.activation_top_p <= 1.0, f"activation_top_p must lie in (0, 1], got {self.activation_top_p}")
+        check(
+            0.0 < self.activation_top_p <= 1.0, "activation_top_p", f"must lie in (0, 1], got {self.activation_top_p}"
+        )
         check(
             self.anchor_dtype is None or self.anchor_dtype in ANCHOR_DTYPES,
-            f"--anchor-dtype must be bfloat16, float16 or float32, got {self.anchor_dtype!r}",
+            "anchor_dtype",
+            f"must be bfloat16, float16 or float32, got {self.anchor_dtype!r}",
         )
-        check(self.svd in FACTORIZATIONS, f"svd must be one of {', '.join(FACTORIZATIONS)}, got {self.svd!r}")
-        check(0.0 <= self.prune_tol < 0.5, f"prune_tol must lie in [0, 0.5), got {self.prune_tol}")
+        check(self.svd in FACTORIZATIONS, "svd", f"must be one of {', '.join(FACTORIZATIONS)}, got {self.svd!r}")
+        check(0.0 <= self.prune_tol < 0.5, "prune_tol", f"must lie in [0, 0.5), got {self.prune_tol}")
 
     @classmethod
     def workload_defaults(cls, workload) -> dict:
-        return {"tau": workload.default_tau}
+        return {} if workload.default_tau is None else {"tau": workload.default_tau}
 
     def resolved(self, device, width: int | None = None) -> dict:
         """The factorization ``svd`` runs on ``device`` for K/V rows of ``width`` (low-rank anchors only:

@@ -3,8 +3,6 @@ layer groups profiled offline, entering each group with the source's hidden stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..engine import SegmentContext
@@ -37,7 +35,6 @@ def calibration_profile(observations: list, n_layers: int) -> torch.Tensor:
 
 
 @register
-@dataclass
 class DroidSpeak(Method):
     """Layer-selective recomputation in contiguous layer groups chosen by offline profiling.
 
@@ -87,15 +84,18 @@ class DroidSpeak(Method):
     layer_deviation = ()
 
     def validate(self) -> None:
-        check(0.0 <= self.rho <= 1.0, f"--rho must lie in [0, 1], got {self.rho}")
+        check(0.0 <= self.rho <= 1.0, "rho", f"must lie in [0, 1], got {self.rho}")
         check(
-            self.max_groups is None or self.max_groups >= 1, f"max_groups must be >= 1 or none, got {self.max_groups}"
+            self.max_groups is None or self.max_groups >= 1,
+            "max_groups",
+            f"must be >= 1 or none, got {self.max_groups}",
         )
         self.groups = tuple(sorted((int(a), int(b)) for a, b in self.groups))
         for i, (a, b) in enumerate(self.groups):
             check(
                 0 <= a < b and not (i and a < self.groups[i - 1][1]),
-                f"layer groups must be disjoint, non-empty [a, b): {self.groups}",
+                "groups",
+                f"must be disjoint, non-empty [a, b) layer ranges: {self.groups}",
             )
 
     @property

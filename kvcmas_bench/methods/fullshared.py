@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..engine import SegmentContext
 from ..segments import SegmentKV
 from .base import Method, register
 
 
 @register
-@dataclass
 class FullShared(Method):
     name = "fullshared"
     label, order, color = "FullShared", 20, "C1"

@@ -19,8 +19,6 @@ reuses the reference unchanged and is recorded as ``uncalibrated``, never as ``c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..engine import SegmentContext
@@ -31,7 +29,6 @@ from .base import Method, register, state
 
 
 @register
-@dataclass
 class GraphFlow(Method):
     name = "graphflow"
     label, order, color = "GraphFlow", 60, "C5"

@@ -12,57 +12,15 @@ method has is an error, never silently dropped.
 
 from __future__ import annotations
 
-import math
-import re
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from ..errors import BenchError, OptionError
+from ..settings import TYPED_KNOBS, field_type, to_type
+from ..settings import MethodArg as MethodArg  # the command line's knob values, read here
+from ..settings import parse_method_args as parse_method_args
 from .base import METHODS, Method
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-_NONE = {"none", "null"}
-
-
-class MethodArg(str):
-    """A knob value given as ``--method-arg KEY=VALUE``: the value, remembering the item as the user
-    typed it (``check-layer=2``) so that messages name the option that way."""
-
-    item: str
-    #: the option it was given with (``--method-arg``; ``ablate --values`` for swept values)
-    flag: str
-
-    def __new__(cls, value: str, item: str, flag: str = "--method-arg"):
-        obj = super().__new__(cls, value)
-        obj.item = item
-        obj.flag = flag
-        return obj
-
-    def __reduce__(self):
-        return (MethodArg, (str(self), self.item, self.flag))
-
-    @property
-    def option(self) -> str:
-        return f"{self.flag} {self.item}"
-
-
-def parse_method_args(items: Sequence[str] | None) -> dict[str, str]:
-    """``["rank=16", "check-layer=2"]`` -> ``{"rank": "16", "check_layer": "2"}`` (dashes -> underscores;
-    each value a :class:`MethodArg` that remembers how it was typed)."""
-    out: dict[str, str] = {}
-    for item in items or ():
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise BenchError(f"--method-arg takes KEY=VALUE, got {item!r}")
-        if key in out:
-            raise BenchError(f"--method-arg {key} is given twice ({out[key].item} and {item.strip()})")
-        out[key] = MethodArg(value.strip(), item.strip())
-    return out
 
 
 def _flag(key: str) -> str:
@@ -74,26 +32,23 @@ def _label(key: str, value) -> str:
     return value.option if isinstance(value, MethodArg) else _flag(key)
 
 
-def _relabel(message: str, args: Mapping[str, object]) -> str:
-    """A method's own validation message with the options given as ``--method-arg`` named that way
-    (methods name a knob ``--rank`` or ``check_layer``)."""
-    for key, value in args.items():
-        if not isinstance(value, MethodArg):
-            continue
-        flag = re.compile(rf"(?<![\w-]){re.escape(_flag(key))}(?![\w-])")
-        if flag.search(message):
-            message = flag.sub(lambda _m, v=value: v.option, message)
-        elif re.search(rf"(?<![\w-]){re.escape(key)}(?![\w-])", message):
-            message += f" (given as {value.option})"
-    return message
+def _named(exc: OptionError, args: Mapping[str, object]) -> str:
+    """A method's validation message with its knob named the way the user gave it: the typed flag
+    (``--tau must ...``), the ``--method-arg`` item, or the knob's name."""
+    knob = exc.knob
+    if knob is None:
+        return exc.text
+    value = args.get(knob)
+    if isinstance(value, MethodArg):
+        if knob in TYPED_KNOBS:
+            return f"{value.option} {exc.text}"
+        return f"{knob} {exc.text} (given as {value.option})"
+    return f"{_flag(knob) if knob in TYPED_KNOBS else knob} {exc.text}"
 
 
 def _field_type(cls: type[Method], key: str) -> tuple[type, bool]:
     """The base type of ``cls``'s field ``key`` and whether None is allowed."""
-    hint = typing.get_type_hints(cls)[key]
-    args = typing.get_args(hint)
-    optional = typing.get_origin(hint) in (Union, types.UnionType) and type(None) in args
-    return (next((a for a in args if a is not type(None)), hint) if optional else hint), optional
+    return field_type(typing.get_type_hints(cls)[key])
 
 
 def expected(cls: type[Method], key: str) -> str:
@@ -112,27 +67,21 @@ def convert(cls: type[Method], key: str, value):
         return value
     label = _label(key, value)
     text = value.strip()
-    if optional and (text.lower() in _NONE or text.lower() == cls.none_words.get(key)):
-        return None
+    nones = [cls.none_words[key]] if key in cls.none_words else []
     try:
-        if base is bool:
-            if text.lower() in _TRUE | _FALSE:
-                return text.lower() in _TRUE
-            raise ValueError
-        if base is int:
-            return int(text)
-        if base is float:
-            v = float(text)
-            if math.isnan(v):
-                raise OptionError(f"{label}: option {key!r} of method {cls.name!r} must be a number, got {text!r}")
-            return v
-        if base is str:
-            return text
+        return to_type(text, base | None if optional else base, nones)
     except ValueError:
+        if base is float and text.lower() == "nan":
+            raise OptionError(
+                f"{label}: option {key!r} of method {cls.name!r} must be a number, got {text!r}"
+            ) from None
         raise OptionError(
             f"{label}: option {key!r} of method {cls.name!r} must be {expected(cls, key)}, got {text!r}"
         ) from None
-    raise OptionError(f"{label}: option {key!r} of method {cls.name!r} cannot be set from the command line")
+    except TypeError:
+        raise OptionError(
+            f"{label}: option {key!r} of method {cls.name!r} cannot be set from the command line"
+        ) from None
 
 
 def method_class(name: str) -> type[Method]:
@@ -170,7 +119,7 @@ def resolve_methods(
         try:
             cls(**kw)
         except OptionError as exc:
-            raise OptionError(f"method {name!r}: {_relabel(str(exc), args)}") from None
+            raise OptionError(f"method {name!r}: {_named(exc, args)}") from None
         factories[name] = MethodSpec(cls, kw)
     return factories
 

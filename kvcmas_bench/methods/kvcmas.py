@@ -17,26 +17,19 @@ a context-free reference that must be prefilled (also for the first agent).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .base import register
 from .delta import OnlineDeltaCorrection
 
 
 @register
-@dataclass
 class KVCMAS(OnlineDeltaCorrection):
     name = "kvcmas"
     label, order, color, chain_label = "KVCMAS", 90, "C2", "Chained"
     summary = "chained low-rank online delta correction (the paper's method)"
-    anchors: int = 10
-    rank: int | None = 32
-    tau: float = 0.3
-    chained: bool = True
+    # anchors (V = 10), rank (r = 32), tau and chained: OnlineDeltaCorrection's defaults
 
 
 @register
-@dataclass
 class KVCMASNonChained(KVCMAS):
     name = "kvcmas-nonchained"
     label, order, color, chain_label = "KVCMAS (non-chained)", 80, "C3", "Non-chained"

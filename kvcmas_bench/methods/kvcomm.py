@@ -16,7 +16,7 @@ not an option here (the low-rank non-chained variant is ``kvcmas-nonchained``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import ClassVar
 
 from .base import register
@@ -24,13 +24,11 @@ from .delta import OnlineDeltaCorrection
 
 
 @register
-@dataclass
 class KVComm(OnlineDeltaCorrection):
     name = "kvcomm"
     label, order, color = "KVComm", 70, "C4"
     summary = "full-dimensional online anchors relative to a context-free reference"
     anchors: int = 20
-    tau: float = 0.3
     rank: int | None = field(default=None, init=False)
     delta_rank: int | None = field(default=None, init=False)
     #: full-dimensional anchors are never factorized

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .base import Method, register
 
 
 @register
-@dataclass
 class NonShared(Method):
     name = "nonshared"
     label, order, color = "NonShared", 10, "C0"

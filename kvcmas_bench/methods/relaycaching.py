@@ -3,8 +3,6 @@ recomputation restricted to a profiled critical range of middle layers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..engine import SegmentContext
@@ -25,7 +23,6 @@ from .droidspeak import calibration_profile, source_hidden
 
 
 @register
-@dataclass
 class RelayCaching(Method):
     """Deviation x attention token selection, recomputed only inside a critical layer range.
 
@@ -80,12 +77,12 @@ class RelayCaching(Method):
     layer_deviation = ()
 
     def validate(self) -> None:
-        check(0.0 <= self.rho <= 1.0, f"--rho must lie in [0, 1], got {self.rho}")
-        check(self.check_layer >= 0, f"check_layer must be >= 0, got {self.check_layer}")
-        check(0.0 < self.range_fraction <= 1.0, f"range_fraction must lie in (0, 1], got {self.range_fraction}")
+        check(0.0 <= self.rho <= 1.0, "rho", f"must lie in [0, 1], got {self.rho}")
+        check(self.check_layer >= 0, "check_layer", f"must be >= 0, got {self.check_layer}")
+        check(0.0 < self.range_fraction <= 1.0, "range_fraction", f"must lie in (0, 1], got {self.range_fraction}")
         if self.critical is not None:
             a, b = (int(x) for x in self.critical)
-            check(0 <= a < b, f"bad critical layer range {self.critical}")
+            check(0 <= a < b, "critical", f"must be a layer range [a, b) with 0 <= a < b, got {self.critical}")
             self.critical = (a, b)
 
     @property

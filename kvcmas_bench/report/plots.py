@@ -92,6 +92,16 @@ def meta_line(df: pd.DataFrame) -> str:
     return f"{models} on {devices}{ctx}"
 
 
+def _finish(fig, ax, ylabel: str, title: str):
+    """The y label, title, grid and legend every scatter figure of the report shares."""
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig, ax
+
+
 def pareto_axes(df: pd.DataFrame, x: str, y: str, title: str):
     """The Pareto view of one workload's Table 1 rows; returns (figure, axes)."""
     pts = df.dropna(subset=[x, y])
@@ -130,12 +140,7 @@ def pareto_axes(df: pd.DataFrame, x: str, y: str, title: str):
     ax.set_xlim(*xlim)
     ax.set_ylim(*ylim)
     ax.set_xlabel(X_AXES[x][0])
-    ax.set_ylabel(Y_AXES[y])
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=7, frameon=False)
-    fig.tight_layout()
-    return fig, ax
+    return _finish(fig, ax, Y_AXES[y], title)
 
 
 def _shade(ax, bx: list[float], by: list[float], ylim: tuple[float, float]) -> None:
@@ -223,12 +228,7 @@ def rho_axes(df: pd.DataFrame, y: str, title: str):
             if suffix:
                 ax.annotate(suffix, (vx, vy), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("reuse ratio rho (served (token, layer) entries / eligible); bars: 95% Wilson interval")
-    ax.set_ylabel(Y_AXES[y])
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=7, frameon=False)
-    fig.tight_layout()
-    return fig, ax
+    return _finish(fig, ax, Y_AXES[y], title)
 
 
 def save(fig, out_dir: Path, name: str, caption: str) -> Figure:

@@ -308,32 +308,38 @@ register(
         views={"table1": View(31, 3, optional=True)},
     )
 )
-register(
-    Figure(
+# agreement with NonShared on the same samples (computed where the reference run is: report.tables)
+for _name, _header, _definition, _pos, _priority, _label in (
+    (
         "answer_agreement",
         "agree w/ NonShared ± SE [95% CI]",
-        "share",
         "share of samples whose final answer equals NonShared's on the same sample",
-        None,
-        "est",
-        estimate=True,
-        views={"table1": View(40, 1, optional=True)},
-        check=CheckRule("drop", "agreement_drop", "agreement", 40, skip_reference=True),
-    )
-)
-register(
-    Figure(
+        40,
+        1,
+        "agreement",
+    ),
+    (
         "first_token_agreement",
         "first-token agree ± SE [95% CI]",
-        "share",
         "share of requests whose first generated token equals NonShared's (matched by sample and step)",
-        None,
-        "est",
-        estimate=True,
-        views={"table1": View(41, 4, optional=True)},
-        check=CheckRule("drop", "agreement_drop", "first-token agreement", 41, skip_reference=True),
+        41,
+        4,
+        "first-token agreement",
+    ),
+):
+    register(
+        Figure(
+            _name,
+            _header,
+            "share",
+            _definition,
+            None,
+            "est",
+            estimate=True,
+            views={"table1": View(_pos, _priority, optional=True)},
+            check=CheckRule("drop", "agreement_drop", _label, _pos, skip_reference=True),
+        )
     )
-)
 register(
     Figure(
         "latency_mean_s",

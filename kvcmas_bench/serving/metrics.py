@@ -1,6 +1,6 @@
 """Metrics of a serve-sweep: one function from served timelines to a summary row.
 
-Every backend returns :class:`~kvcmas_bench.results.RequestRecord` rows with their timeline
+Every engine returns :class:`~kvcmas_bench.results.RequestRecord` rows with their timeline
 (arrival, start, first token, completion) and, where measured in isolation, their service TTFT/E2E;
 :func:`sweep_row` turns one (method, shared length, QPS) group of them into the row of
 ``summary.json`` and of the console table, in the manner of ``vllm bench serve``'s metrics.

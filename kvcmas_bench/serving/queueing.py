@@ -2,9 +2,9 @@
 
 The server modelled here runs **one request at a time** (no batching): a request occupies it for
 its whole measured service time (prefill incl. any correction/reference work, then decode). Every
-request is measured once in isolation by the in-process backend; this module replays those
-service times under an arrival pattern (:func:`replay` is how that backend produces the served
-timelines every backend returns):
+request is measured once in isolation by the in-process engine; this module replays those
+service times under an arrival pattern (:func:`replay` is how that engine produces the served
+timelines every engine returns):
 
 - trajectory ``t``'s first agent arrives at its start time (``arrivals[t]``), or, for single-stream
   execution (``arrivals is None``, qps 0), when trajectory ``t - 1`` has completed;

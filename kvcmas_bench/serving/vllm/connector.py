@@ -397,7 +397,7 @@ class KVCMASConnector(KVConnectorBase_V1):
 def _runtime(vllm_config, device, budget: int | None) -> WorkerRuntime:
     """The worker's runtime: model facts from vLLM's config, K/V on the cache's device. Under tensor
     parallelism every rank has its own, on its own KV heads (``n_kv`` is the rank's head count)."""
-    from .backend import eos_ids, model_facts
+    from .inprocess import eos_ids, model_facts
 
     mc = vllm_config.model_config
     n_kv = mc.get_num_kv_heads(vllm_config.parallel_config)

@@ -46,7 +46,7 @@ from ...ops.kvmath import shift_keys
 from ...results.request import RequestRecord, SegmentRecord
 from ...segments import KVCache, Request, RequestResult, SegmentKV
 from ...workflow import AgentStep, Node, _sources, out_slot, step_record
-from ..backends import trace_nodes
+from ..engines import trace_nodes
 from ..traces import Trace
 from .plan import Capture, Plan
 from .tp import HeadShards, ShardedHeads

@@ -1,7 +1,7 @@
 """``serve-sweep --engine vllm``: the harness as an HTTP client of a normal ``vllm serve`` deployment
 that loads :class:`~.connector.KVCMASConnector` (see :mod:`.worker` for what runs where).
 
-:func:`serve_command` is the deployment (``kvcmas-bench serve`` prints and runs it); the backend
+:func:`serve_command` is the deployment (``kvcmas-bench serve`` prints and runs it); the engine
 starts it on a free loopback port (or targets ``--engine-arg base_url=http://host:port``), and
 sends each trajectory over the OpenAI-compatible streaming completions API, as ``vllm bench serve``
 does: token-id prompts, greedy decoding, ``kv_transfer_params`` holding the request's small plan
@@ -34,10 +34,10 @@ from urllib.parse import urlparse
 from ...errors import BenchError
 from ...methods import Method, MethodSpec
 from ...results.request import RequestRecord
-from ..backends import Schedules, ServeResult
+from ..engines import Schedules, ServeResult
 from ..traces import Trace
-from .backend import ServedModel, eos_ids
 from .flow import agent_output
+from .inprocess import ServedModel, eos_ids
 from .options import parse_engine_options
 from .worker import agent_params, calibrate_params, capture_params, report_params
 
@@ -380,7 +380,7 @@ def ttft_cross_check(before, after, sent: Sequence[AgentSent]) -> dict:
     }
 
 
-class HTTPBackend(ServedModel):
+class VLLMServerEngine(ServedModel):
     """Serve trace requests through ``vllm serve`` with the connector (see the module docstring)."""
 
     name = "vllm"
@@ -388,7 +388,7 @@ class HTTPBackend(ServedModel):
     replays_service = False
 
     def __init__(self, model, device: str, dtype: str, ignore_eos: bool, warmup: bool, opts: ServerOptions):
-        from .backend import _resolve_model, load_config_and_tokenizer
+        from .inprocess import _resolve_model, load_config_and_tokenizer
 
         path, self.model_name = _resolve_model(model)
         self.model_source = path
@@ -425,7 +425,7 @@ class HTTPBackend(ServedModel):
         if warmup:
             self._request([1] * 8, 2, None)
 
-    # ---- Backend attributes ------------------------------------------------------------------
+    # ---- ServingEngine attributes ------------------------------------------------------------------
     @property
     def why_unsupported(self):
         return why_not_http
@@ -639,7 +639,7 @@ class HTTPBackend(ServedModel):
         self.last_session = session
         return out
 
-    # ---- the Backend protocol ------------------------------------------------------------------
+    # ---- the ServingEngine protocol ------------------------------------------------------------------
     def session(self, spec: MethodSpec) -> tuple[Method, ClientSession]:
         reason = why_not_http(spec.cls)
         if reason:

@@ -1,5 +1,5 @@
 """``--engine-arg KEY=VALUE`` parsing of the vLLM engines, driven by an options dataclass's fields:
-one parser for :class:`~.backend.VLLMOptions` (``--engine vllm-inprocess``) and
+one parser for :class:`~.inprocess.VLLMOptions` (``--engine vllm-inprocess``) and
 :class:`~.http.ServerOptions` (``--engine vllm``). No vLLM import."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from dataclasses import fields
 from typing import TypeVar
 
 from ...errors import BenchError
+from ...settings import to_type
 
 T = TypeVar("T")
 
@@ -37,17 +38,11 @@ def parse_engine_options(cls: type[T], options: dict, engine: str = "vllm") -> T
 
 def convert_option(key: str, value, typ: str):
     """A ``--engine-arg`` string as the field type ``typ`` names (bool, int, float, optional:
-    ``none``/``null``); a value that is not a string is kept."""
+    ``none``/``null``; :func:`kvcmas_bench.settings.to_type`); a value that is not a string is kept."""
     if not isinstance(value, str):
         return value
-    text = value.strip().lower()
+    base = bool if "bool" in typ else float if "float" in typ else int
     try:
-        if "bool" in typ:
-            if text in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return text in ("1", "true", "yes", "on")
-            raise ValueError
-        if "None" in typ and text in ("none", "null"):
-            return None
-        return float(text) if "float" in typ else int(text)
+        return to_type(value, base | None if "None" in typ else base)
     except ValueError:
         raise BenchError(f"--engine-arg {key}={value!r} is not a valid {typ}") from None

@@ -51,7 +51,7 @@ VERSION = 1
 
 
 # ---- the wire format (client side) ------------------------------------------------------------
-def agent_params(
+def agent_params(  # noqa: PLR0913  (the fields of one request's kv_transfer_params)
     session: str,
     method: str,
     options: dict,

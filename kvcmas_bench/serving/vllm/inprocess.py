@@ -1,4 +1,4 @@
-"""``VLLMBackend``: the serving backend on vLLM (see :mod:`kvcmas_bench.serving.vllm`).
+"""``VLLMInProcessEngine``: the serving engine on vLLM (see :mod:`kvcmas_bench.serving.vllm`).
 
 vLLM's engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the uni executor), so
 its scheduler, its worker, the KV connector and the harness share memory: the harness computes
@@ -22,7 +22,7 @@ from ...memory import reset_peaks
 from ...methods import Method, MethodSpec
 from ...modeling import DEFAULT_MODEL, check_supported, default_model_dir, resolve_dtype
 from ...results.request import RequestRecord
-from ..backends import Schedules, ServeResult
+from ..engines import Schedules, ServeResult, calibrated
 from ..traces import Trace
 from . import why_not
 from .client import Client, Event, fetch_kv
@@ -224,7 +224,7 @@ def _make_engine(kwargs: dict):
 
 
 class ServedModel:
-    """What both vLLM backends tell about the model they serve (from its config)."""
+    """What both vLLM engines tell about the model they serve (from its config)."""
 
     config: object
     max_model_len: int | None
@@ -246,7 +246,7 @@ class ServedModel:
         return max(1, heads // world) * head_dim_of(self.config)
 
 
-class VLLMBackend(ServedModel):
+class VLLMInProcessEngine(ServedModel):
     """Serve trace requests for real on vLLM (see the package docstring)."""
 
     name = "vllm-inprocess"
@@ -283,7 +283,7 @@ class VLLMBackend(ServedModel):
         if warmup:
             self._warm()
 
-    # ---- Backend attributes ------------------------------------------------------------------
+    # ---- ServingEngine attributes ------------------------------------------------------------------
     @property
     def why_unsupported(self):
         """``why_unsupported(method_cls)``: the reason this engine cannot run a method, or None."""
@@ -343,21 +343,11 @@ class VLLMBackend(ServedModel):
         """A fresh method: calibrated on the held-out trajectories of split "calibration" through vLLM
         when it needs it, then warmed up (online learners run every held-out trajectory, the
         "warmup" split included; the others one)."""
-        from ...calibration import collect
-
         reason = why_not(spec.cls)
         if reason:
             raise BenchError(f"--engine vllm cannot run {spec.name}: {reason}")
-        m = spec()
         held = list(calibration)
-        calibration = [t for t in held if t.split == "calibration"]
-        if m.needs_calibration:
-            if not calibration:
-                raise BenchError(f"method {spec.name!r} needs calibration trajectories (none given)")
-            obs = collect(lambda rec: _Flow(self, rec), calibration, with_reference=m.calibration_reference)
-            if not obs:
-                raise BenchError("calibration produced no observations (no shared segment with a source)")
-            m.calibrate(obs, self.config.num_hidden_layers)
+        m = calibrated(spec, held, lambda rec: _Flow(self, rec), self.config.num_hidden_layers)
         if self.warmup and held:
             for tr in held if m.learns_online else held[:1]:
                 self.run_trajectory(tr, m)
@@ -377,7 +367,7 @@ class VLLMBackend(ServedModel):
 class _Flow:
     """``run_unit`` for :func:`kvcmas_bench.calibration.collect`."""
 
-    def __init__(self, backend: VLLMBackend, method):
+    def __init__(self, backend: VLLMInProcessEngine, method):
         self.backend, self.method = backend, method
 
     def run_unit(self, trace: Trace):

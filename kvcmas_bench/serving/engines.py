@@ -1,11 +1,11 @@
-"""Serving backends as plugins: a registry of engines that serve traces and return timelines.
+"""Serving engines as plugins: a registry of engines that serve traces and return timelines.
 
-A backend takes a method, the evaluated trajectories and an arrival schedule per QPS, and returns
+An engine takes a method, the evaluated trajectories and an arrival schedule per QPS, and returns
 *served timelines*: every request with its arrival, first-token and completion times
-(:class:`ServeResult`). How it gets them is its own business: the in-process backend measures
+(:class:`ServeResult`). How it gets them is its own business: the in-process engine measures
 every request once, in isolation, on :class:`~kvcmas_bench.engine.Engine` and replays those
 service times on a virtual-clock FCFS server (:func:`~.queueing.replay`); a batching engine serves
-the arrivals for real. Register a new one with :func:`register_backend`; ``serve-sweep --engine``
+the arrivals for real. Register a new one with :func:`register_engine`; ``serve-sweep --engine``
 picks it by name.
 """
 
@@ -34,16 +34,16 @@ Schedules = Mapping[float, Sequence[float] | None]
 
 @dataclass
 class ServeResult:
-    """What a backend returns for one method on one set of trajectories."""
+    """What an engine returns for one method on one set of trajectories."""
 
     #: per QPS value: every request of every trajectory, timeline fields set
     timelines: dict[float, list[RequestRecord]]
-    #: isolated measurements ``[trajectory][agent]`` when the backend replays them (else None)
+    #: isolated measurements ``[trajectory][agent]`` when the engine replays them (else None)
     service: list[list[RequestRecord]] | None = None
 
 
 @runtime_checkable
-class Backend(Protocol):
+class ServingEngine(Protocol):
     """An engine that serves trace requests.
 
     ``prepare`` builds the method from ``spec`` (calibrating it on the held-out ``calibration``
@@ -70,30 +70,30 @@ class Backend(Protocol):
     def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult: ...
 
 
-#: engine name (a ``serve-sweep --engine`` value) -> backend factory, filled by :func:`register_backend`
-BACKENDS: Registry[Callable[..., Backend]] = Registry("engine")
-#: backend name -> ``why_not(method_class) -> str | None``: methods the engine cannot run
-BACKEND_LIMITS: dict[str, Callable[[type[Method]], str | None]] = {}
+#: engine name (a ``serve-sweep --engine`` value) -> engine factory, filled by :func:`register_engine`
+ENGINES: Registry[Callable[..., ServingEngine]] = Registry("engine")
+#: engine name -> ``why_not(method_class) -> str | None``: methods the engine cannot run
+ENGINE_LIMITS: dict[str, Callable[[type[Method]], str | None]] = {}
 
 
-def register_backend(name: str, why_not: Callable[[type[Method]], str | None] | None = None):
+def register_engine(name: str, why_not: Callable[[type[Method]], str | None] | None = None):
     """Register ``factory(model=None, device="auto", dtype="float32", ignore_eos=True, warmup=True,
     **engine_options)``. ``why_not(method_class)`` names why the engine cannot run a method (None:
-    it can); :func:`check_backend` asks it before any model loads."""
+    it can); :func:`check_engine` asks it before any model loads."""
 
-    def deco(factory: Callable[..., Backend]) -> Callable[..., Backend]:
-        BACKENDS.register(factory, name=name)
+    def deco(factory: Callable[..., ServingEngine]) -> Callable[..., ServingEngine]:
+        ENGINES.register(factory, name=name)
         if why_not is not None:
-            BACKEND_LIMITS[name] = why_not
+            ENGINE_LIMITS[name] = why_not
         return factory
 
     return deco
 
 
-def check_backend(name: str, methods: Mapping[str, MethodSpec] | Sequence[type[Method]]) -> None:
+def check_engine(name: str, methods: Mapping[str, MethodSpec] | Sequence[type[Method]]) -> None:
     """Refuse an unknown engine, or methods it cannot run, with one line (before a model loads)."""
-    BACKENDS.lookup(name)
-    why_not = BACKEND_LIMITS.get(name)
+    ENGINES.lookup(name)
+    why_not = ENGINE_LIMITS.get(name)
     classes = [m.cls for m in methods.values()] if isinstance(methods, Mapping) else list(methods)
     bad = [(c.name, why_not(c)) for c in classes] if why_not is not None else []
     bad = [(n, w) for n, w in bad if w]
@@ -104,9 +104,9 @@ def check_backend(name: str, methods: Mapping[str, MethodSpec] | Sequence[type[M
         )
 
 
-def get_backend(name: str, **options) -> Backend:
-    """A backend built by the factory registered as ``name`` (one ``BenchError`` line when unknown)."""
-    return BACKENDS.lookup(name)(**options)
+def get_engine(name: str, **options) -> ServingEngine:
+    """An engine built by the factory registered as ``name`` (one ``BenchError`` line when unknown)."""
+    return ENGINES.lookup(name)(**options)
 
 
 def replay_all(service: list[list[RequestRecord]], schedules: Schedules) -> dict[float, list[RequestRecord]]:
@@ -114,6 +114,23 @@ def replay_all(service: list[list[RequestRecord]], schedules: Schedules) -> dict
 
 
 # ---- the in-process engine -------------------------------------------------------------------------
+def calibrated(spec: MethodSpec, held: Sequence[Trace], flow: Callable, n_layers: int) -> Method:
+    """A fresh instance of ``spec``, calibrated when it needs it on the held-out trajectories of split
+    "calibration", each run through ``flow(recorder)`` (the engine's own flow)."""
+    from ..calibration import collect
+
+    m = spec()
+    calibration = [t for t in held if t.split == "calibration"]
+    if m.needs_calibration:
+        if not calibration:
+            raise BenchError(f"method {spec.name!r} needs calibration trajectories (none given)")
+        obs = collect(flow, calibration, with_reference=m.calibration_reference)
+        if not obs:
+            raise BenchError("calibration produced no observations (no shared segment with a source)")
+        m.calibrate(obs, n_layers)
+    return m
+
+
 def trace_nodes(trace: Trace) -> list[Node]:
     """A trajectory as an agent graph: a chain in which every agent reads every earlier output.
     Node ids are the agent names, so ``out:<agent>`` slots match the trace's segment specs; the
@@ -140,7 +157,7 @@ class TraceFlow:
         return UnitRun(trace.id, steps)
 
 
-class InProcessBackend:
+class InProcessEngine:
     """Measure each request for real on the in-process engine (one request at a time), then replay
     the measured service times under every arrival schedule."""
 
@@ -208,18 +225,8 @@ class InProcessBackend:
         trajectories (calibration and "warmup" splits) so their pools are in steady state; every
         other method runs one request so one-off initialisation stays out of the timings.
         """
-        from ..calibration import collect
-
-        m = spec()
         held = list(calibration)
-        calibration = [t for t in held if t.split == "calibration"]
-        if m.needs_calibration:
-            if not calibration:
-                raise BenchError(f"method {spec.name!r} needs calibration trajectories (none given)")
-            obs = collect(lambda rec: TraceFlow(self.engine, rec), calibration, with_reference=m.calibration_reference)
-            if not obs:
-                raise BenchError("calibration produced no observations (no shared segment with a source)")
-            m.calibrate(obs, self.engine.n_layers)
+        m = calibrated(spec, held, lambda rec: TraceFlow(self.engine, rec), self.engine.n_layers)
         if self.warmup and held:
             if m.learns_online:
                 for tr in held:
@@ -239,10 +246,10 @@ class InProcessBackend:
     replay = staticmethod(replay_all)
 
 
-@register_backend("in-process")
+@register_engine("in-process")
 def in_process(
     model=None, device: str = "auto", dtype: str = "float32", ignore_eos: bool = True, warmup: bool = True, **options
-) -> InProcessBackend:
+) -> InProcessEngine:
     """This package's engine: each request measured once in isolation, FCFS replay per QPS.
 
     ``model``: None/spec string for :func:`~kvcmas_bench.modeling.load_model`, or a loaded
@@ -256,7 +263,7 @@ def in_process(
 
         resolve_dtype(dtype)
         model = load_model(model, dtype, str(resolve_device(device)))
-    return InProcessBackend(
+    return InProcessEngine(
         model.model,
         model.tokenizer,
         ignore_eos=ignore_eos,
