@@ -218,9 +218,14 @@ def serve_cmd(
     import os
     import shlex
 
+    from .modeling import resolve_device, resolve_dtype
     from .serving.vllm.http import ServerOptions, _dtype_arg, _has_cuda, serve_command, server_env
     from .serving.vllm.inprocess import _resolve_model
 
+    resolve_dtype(dtype)  # the command's own options first, then what it needs installed
+    resolve_device(device)
+    if not 0 < port < 65536:
+        raise BenchError(f"--port must lie in [1, 65535], got {port}")
     opts = ServerOptions.parse(parse_pairs("--engine-arg", engine_arg))
     path, _ = _resolve_model(model)
     cpu = device == "cpu" or (device == "auto" and not _has_cuda())

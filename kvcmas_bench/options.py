@@ -111,12 +111,21 @@ CalibSamples = Annotated[
     ),
 ]
 
+
 # --- outputs
+def _a_directory(value: str | None) -> str | None:
+    """``-o ""`` names no directory (it would write into the current one): refused."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("is empty; name a directory", param_hint="--output-path")
+    return value
+
+
 OutputPath = Annotated[
     str | None,
     typer.Option(
         "--output-path",
         "-o",
+        callback=_a_directory,
         help="Output directory; a job run again into the same directory resumes where it stopped "
         "(report, coverage and analyze rank rewrite their files).",
     ),

@@ -415,3 +415,49 @@ def test_bad_user_gguf_is_one_line(tmp_path, monkeypatch, capsys):
         f"{bad} is not a GGUF file"
     )
     assert not out.exists() and not [p for p in (tmp_path / "cache" / "models").glob("*") if p.is_dir()]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["run", "-o", ""], ["suite", "-o", "  "], ["serve-sweep", "--output-path", ""], ["report", "x", "-o", ""]],
+)
+def test_an_empty_output_path_is_refused_and_nothing_is_written(capsys, argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert one_line(capsys, argv) == "Invalid value for --output-path: is empty; name a directory"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rounds_past_the_request_bound_are_refused_before_the_workflow_is_planned(capsys, tmp_path, monkeypatch):
+    from kvcmas_bench import workflow
+    from kvcmas_bench.jobs import run as run_job
+    from kvcmas_bench.jobs.run import RunOptions, resolve_options
+
+    def planned(*args, **kwargs):
+        raise AssertionError("the workflow was planned before the bound was checked")
+
+    monkeypatch.setattr(workflow, "plan", planned)
+    monkeypatch.setattr(run_job, "plan", planned)
+    out = tmp_path / "r"
+    msg = one_line(capsys, ["run", "--rounds", "100000", "--device", "cpu", "-o", str(out)])
+    assert msg == "--rounds 100000 x 3 task agents makes 300000 requests per sample; at most 512"
+    assert not out.exists()
+    # MMLU has 3 task agents: 170 rounds are 510 requests, 171 are 513
+    resolve_options(RunOptions(rounds=170, device="cpu"))
+    with pytest.raises(Exception, match="makes 513 requests per sample; at most 512"):
+        resolve_options(RunOptions(rounds=171, device="cpu"))
+    with pytest.raises(Exception, match="--rounds 257 x 2 task agents makes 514"):
+        resolve_options(RunOptions(agents=3, rounds=257, device="cpu"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "msg"),
+    [
+        (["--dtype", "float64"], "unknown --dtype 'float64'; use one of float32, bfloat16, float16"),
+        (["--port", "0"], "--port must lie in [1, 65535], got 0"),
+        (["--port", "65536"], "--port must lie in [1, 65535], got 65536"),
+        (["--device", "tpu"], "unknown --device 'tpu'; use cpu, cuda or auto"),
+        (["--engine-arg", "nope=1"], "unknown --engine-arg 'nope' for --engine vllm"),
+    ],
+)
+def test_serve_checks_its_own_options_before_what_it_needs_installed(capsys, argv, msg):
+    assert one_line(capsys, ["serve", *argv, "--dry-run"]).startswith(msg)

@@ -23,6 +23,8 @@ from ..workloads import Workload, get_workload
 
 #: most agents of one workflow (``--agents``); the model's context bounds it further (:func:`check_context`)
 MAX_AGENTS = 64
+#: most task-agent requests of one sample (task agents x ``--rounds``), checked before the workflow is planned
+MAX_TASK_REQUESTS = 512
 
 
 @dataclass(kw_only=True)
@@ -110,6 +112,12 @@ def resolve_options(opts: RunOptions) -> tuple[Workload, MethodSpec]:
 
     opts.validate()
     workload = get_workload(opts.workload, data_path=opts.data_path, subjects=opts.subjects)
+    task_agents = opts.agents - 1 if opts.agents else len(workload.roles)
+    if task_agents * opts.rounds > MAX_TASK_REQUESTS:
+        raise BenchError(
+            f"--rounds {opts.rounds} x {task_agents} task agents makes {task_agents * opts.rounds} requests per "
+            f"sample; at most {MAX_TASK_REQUESTS}"
+        )
     spec = resolve_method(opts.method, opts.method_args, workload)
     if opts.target_reuse is not None and "tau" not in spec.cls.knobs():
         raise BenchError(f"--target-reuse applies to methods with a gate threshold, not {opts.method!r}")
