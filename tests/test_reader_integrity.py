@@ -141,6 +141,20 @@ def bad_step(d: Path) -> None:
     write_lines(d / "requests.jsonl", r)
 
 
+def request_without_step(d: Path) -> None:
+    """The issue's case: one request of a sample loses its step (it then escaped every check)."""
+    r = lines(d / "requests.jsonl")
+    r[2] = json.dumps({k: v for k, v in json.loads(r[2]).items() if k != "step"}).encode() + b"\n"
+    write_lines(d / "requests.jsonl", r)
+
+
+def duplicate_without_step(d: Path) -> None:
+    """A request written twice, the copy without its step (it was accepted, rho and TTFT moved)."""
+    r = lines(d / "requests.jsonl")
+    copy = json.dumps({k: v for k, v in json.loads(r[2]).items() if k != "step"}).encode() + b"\n"
+    write_lines(d / "requests.jsonl", r[:3] + [copy] + r[3:])
+
+
 DAMAGES = {
     "duplicate-sample": (duplicate_sample, "samples.jsonl is corrupt (line 5 repeats sample 'mmlu-1' of line 2"),
     "changed-sample-id": (
@@ -186,6 +200,14 @@ DAMAGES = {
     ),
     "request-without-id": (request_without_id, "requests.jsonl is corrupt (line 1 belongs to sample None"),
     "bad-step": (bad_step, "requests.jsonl is corrupt (line 3 is not a valid request record (step [0]"),
+    "request-without-step": (
+        request_without_step,
+        "requests.jsonl is corrupt (line 3 is not a valid request record (no step))",
+    ),
+    "duplicate-without-step": (
+        duplicate_without_step,
+        "requests.jsonl is corrupt (line 4 is not a valid request record (no step))",
+    ),
 }
 
 

@@ -173,7 +173,7 @@ def _finished_requests(
             )
         rec = _request_record(r, n, requests_path, corrupt)
         key = (rec.sample_id, rec.step)
-        if rec.step is not None and key in seen:
+        if key in seen:
             raise corrupt(
                 requests_path, n, f"repeats request {rec.step} of sample {rec.sample_id!r} of line {seen[key]}"
             )
@@ -184,10 +184,13 @@ def _finished_requests(
 
 
 def _request_record(r: dict, n: int, requests_path: Path, corrupt: Corrupt) -> RequestRecord:
-    """Line ``n`` as a ``RequestRecord`` with an integer (or no) step, else ``corrupt(...)``."""
+    """Line ``n`` as a ``RequestRecord`` with an integer step (its place in the sample's workflow:
+    without it a request could be missing or written twice unseen), else ``corrupt(...)``."""
     try:
         rec = RequestRecord.from_dict(r)
-        if rec.step is not None and (not isinstance(rec.step, int) or isinstance(rec.step, bool)):
+        if rec.step is None:
+            raise ValueError("no step")
+        if not isinstance(rec.step, int) or isinstance(rec.step, bool):
             raise ValueError(f"step {rec.step!r} is not an integer")
     except (ValueError, TypeError, AttributeError, KeyError) as exc:
         raise corrupt(requests_path, n, f"is not a valid request record ({str(exc)[:200]})") from None
@@ -210,7 +213,7 @@ def _check_steps(
     for sid, n in done.items():
         got = got_steps.get(sid, [])
         want = list(range(len(got) if steps is None else steps))
-        if not got or (None not in got and sorted(got) != want):
+        if not got or sorted(got) != want:
             bad = steps is not None and not set(got) <= set(want)
             what = f"are not its {steps} steps 0..{steps - 1}" if bad else "are incomplete"
             raise corrupt(samples_path, n, f"is sample {sid!r}, whose request lines in {requests_path.name} {what}")
