@@ -461,3 +461,24 @@ def test_rounds_past_the_request_bound_are_refused_before_the_workflow_is_planne
 )
 def test_serve_checks_its_own_options_before_what_it_needs_installed(capsys, argv, msg):
     assert one_line(capsys, ["serve", *argv, "--dry-run"]).startswith(msg)
+
+
+def test_records_without_a_config_are_refused_by_resume_and_the_readers_alike(tmp_path, capsys):
+    """The issue's case: config.json deleted, `run --method nonshared` resumed a KVCMAS directory and
+    labelled its records nonshared; now resume refuses as report does, before anything changes."""
+    from .synthetic import make_run
+
+    d = make_run(tmp_path / "kv", "kvcmas", ["A", "B", "C"])
+    (d / "config.json").unlink()
+
+    def records() -> dict:  # the lock file a job leaves is not a record
+        return {k: v for k, v in tree(d).items() if k != ".kvcmas-bench.lock"}
+
+    before = records()
+    msg = one_line(capsys, ["run", "--method", "nonshared", "--limit", "3", "--device", "cpu", "-o", str(d)])
+    assert msg == f"{d} holds samples.jsonl but no config.json, so nothing says which run wrote it; " + (
+        "use another --output-path"
+    )
+    assert records() == before
+    assert run_cli(["report", str(d), "--no-plots", "-o", str(tmp_path / "rep")]) == 2
+    assert records() == before

@@ -155,6 +155,32 @@ def duplicate_without_step(d: Path) -> None:
     write_lines(d / "requests.jsonl", r[:3] + [copy] + r[3:])
 
 
+def every_ttft_negative(d: Path) -> None:
+    """The issue's case: ``ttft_s = -100`` everywhere flipped the timing verdict."""
+    r = [json.dumps({**json.loads(x), "ttft_s": -100}).encode() + b"\n" for x in lines(d / "requests.jsonl")]
+    write_lines(d / "requests.jsonl", r)
+
+
+def first_token_text(d: Path) -> None:
+    r = lines(d / "requests.jsonl")
+    r[1] = json.dumps({**json.loads(r[1]), "first_token_id": "x"}).encode() + b"\n"
+    write_lines(d / "requests.jsonl", r)
+
+
+def latency_text(d: Path) -> None:
+    """A string in ``latency_s`` ended report with a traceback."""
+    s = lines(d / "samples.jsonl")
+    s[1] = json.dumps({**json.loads(s[1]), "latency_s": "1.5"}).encode() + b"\n"
+    write_lines(d / "samples.jsonl", s)
+
+
+def segment_tokens_negative(d: Path) -> None:
+    r = lines(d / "requests.jsonl")
+    rec = {**json.loads(r[2]), "segments": [{"kind": "PH", "tokens": -4, "status": "reused"}]}
+    r[2] = json.dumps(rec).encode() + b"\n"
+    write_lines(d / "requests.jsonl", r)
+
+
 DAMAGES = {
     "duplicate-sample": (duplicate_sample, "samples.jsonl is corrupt (line 5 repeats sample 'mmlu-1' of line 2"),
     "changed-sample-id": (
@@ -200,6 +226,22 @@ DAMAGES = {
     ),
     "request-without-id": (request_without_id, "requests.jsonl is corrupt (line 1 belongs to sample None"),
     "bad-step": (bad_step, "requests.jsonl is corrupt (line 3 is not a valid request record (step [0]"),
+    "every-ttft-negative": (
+        every_ttft_negative,
+        "requests.jsonl is corrupt (line 1 is not a valid request record (ttft_s -100 is negative))",
+    ),
+    "first-token-text": (
+        first_token_text,
+        "requests.jsonl is corrupt (line 2 is not a valid request record (first_token_id 'x' is not an integer))",
+    ),
+    "latency-text": (
+        latency_text,
+        "samples.jsonl is corrupt (line 2 is not a valid sample record (latency_s '1.5' is not a duration))",
+    ),
+    "segment-tokens-negative": (
+        segment_tokens_negative,
+        "requests.jsonl is corrupt (line 3 is not a valid request record (tokens -4 is negative))",
+    ),
     "request-without-step": (
         request_without_step,
         "requests.jsonl is corrupt (line 3 is not a valid request record (no step))",

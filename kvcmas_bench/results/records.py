@@ -15,6 +15,7 @@ only worded for input (:func:`corrupt_input`). A run directory is locked (:mod:`
 from __future__ import annotations
 
 import json
+import math
 import os
 import weakref
 from collections.abc import Callable
@@ -138,6 +139,10 @@ def _finished_samples(samples: list, samples_path: Path, corrupt: Corrupt) -> di
         sid = s.get("sample_id")
         if not isinstance(sid, str) or not isinstance(s.get("correct"), bool):
             raise corrupt(samples_path, n, "is not a sample record (sample_id, correct)")
+        for key in ("latency_s", "ttft_s"):
+            v = s.get(key)
+            if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf):
+                raise corrupt(samples_path, n, f"is not a valid sample record ({key} {v!r} is not a duration)")
         if sid in done:
             raise corrupt(samples_path, n, f"repeats sample {sid!r} of line {done[sid]} (two runs wrote at once?)")
         done[sid] = n
@@ -223,8 +228,22 @@ def check_run_dir(path: str | Path) -> None:
     """Raise ``BenchError`` if the run directory ``path`` is damaged beyond a torn last line (as
     opening it would), without changing anything: lets a job fail before it loads the model."""
     path = Path(path)
-    config = _read_config(path / "config.json")
+    config = _run_config(path)
     read_run_files(path / "samples.jsonl", path / "requests.jsonl", request_steps(config))
+
+
+def _run_config(path: Path) -> dict | None:
+    """The ``config.json`` of the run directory ``path`` (None: a new directory). A run writes it
+    before its first record, so records without one are refused: nothing says which run wrote them
+    (resuming them as another method would relabel its records)."""
+    config = _read_config(path / "config.json")
+    records = [f for f in ("samples.jsonl", "requests.jsonl") if (path / f).is_file() and (path / f).stat().st_size]
+    if config is None and records:
+        raise BenchError(
+            f"{path} holds {records[0]} but no config.json, so nothing says which run wrote it; "
+            "use another --output-path"
+        )
+    return config
 
 
 def _read_config(path: Path) -> dict | None:
@@ -262,7 +281,7 @@ class RunDir:
         self.requests_path = self.path / "requests.jsonl"
         self.summary_path = self.path / "summary.json"
         config = json.loads(json.dumps(config, default=str))  # compare as stored (tuples -> lists)
-        old = _read_config(self.config_path)
+        old = _run_config(self.path)
         if old is not None:
             diff = [k for k in RESUME_KEYS if old.get(k) != config.get(k)]
             if diff:

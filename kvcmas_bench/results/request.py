@@ -11,9 +11,13 @@ them back with :meth:`RequestRecord.from_dict`.
 
 from __future__ import annotations
 
+import functools
+import math
+import typing
 from dataclasses import asdict, dataclass, field, fields
 
 from ..ops.gate_outcome import GateOutcome
+from ..settings import field_type
 
 
 @dataclass
@@ -152,9 +156,51 @@ def _compact(d: dict, keep: tuple[str, ...] = ()) -> dict:
     return {k: v for k, v in d.items() if k in keep or not (v is None or (isinstance(v, dict) and not v))}
 
 
+#: fields that are measured durations or counts: a negative value is damage, not a measurement
+NON_NEGATIVE = frozenset(
+    {"ttft_s", "e2e_s", "deferred_s", "materialize_s", "first_token_id", "tokens", "kv_rel_error", "k_rel_error"}
+    | {"v_rel_error", "local_kv_rel_error"}
+)
+
+
+def _check_type(cls, name: str, value) -> None:
+    """``value`` of field ``name`` as its type hint says: a bool, an int (not a bool), a finite number,
+    a string, a list or a dict (None where the field is optional); counts, token ids and durations
+    not negative. Other field types are checked by their own constructors."""
+    if value is None:
+        if not field_type(_hints(cls)[name])[1]:
+            raise ValueError(f"{name} is missing")
+        return
+    base = field_type(_hints(cls)[name])[0]
+    base = typing.get_origin(base) or base
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
+        str: lambda v: isinstance(v, str),
+        list: lambda v: isinstance(v, list),
+        dict: lambda v: isinstance(v, dict),
+    }.get(base)
+    if ok is not None and not ok(value):
+        raise ValueError(f"{name} {value!r} is not {_WORDS[base]}")
+    if base in (int, float) and value < 0 and (name in NON_NEGATIVE or name.endswith(("_bytes", "_tokens"))):
+        raise ValueError(f"{name} {value!r} is negative")
+
+
+_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string", list: "a list"}
+_WORDS[dict] = "an object"
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
 def _build(cls, d: dict):
     names = {f.name for f in fields(cls)}
     unknown = set(d) - names
     if unknown:
         raise ValueError(f"unknown {cls.__name__} field(s): {', '.join(sorted(unknown))}")
+    for name, value in d.items():
+        _check_type(cls, name, value)
     return cls(**d)
