@@ -78,11 +78,6 @@ def parse_pairs(flag: str, items: Sequence[str] | None, wrap: Callable[[str, str
     return out
 
 
-def pairs(flag: str, items: Sequence[str] | None) -> dict:
-    """:func:`parse_pairs` as a field parser (``--engine-arg``)."""
-    return parse_pairs(flag, items)
-
-
 #: the method knobs with a typed flag of their own (``--tau``; every other knob: ``--method-arg KEY=VALUE``)
 TYPED_KNOBS = ("tau", "rho", "rank", "anchors", "anchor_dtype")
 

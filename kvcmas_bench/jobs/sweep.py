@@ -57,7 +57,7 @@ from ..serving.traces import (
     load_traces,
     scheduled_rho,
 )
-from ..settings import MethodSettings, ModelSettings, cli, comma_floats, comma_ints, comma_list, pairs
+from ..settings import MethodSettings, ModelSettings, cli, comma_floats, comma_ints, comma_list, parse_pairs
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -425,7 +425,7 @@ class SweepOptions(ModelSettings, MethodSettings):
     #: a registered engine name (``kvcmas-bench engines``), started with the settings here, or a ServingEngine instance
     engine: str | ServingEngine = "in-process"
     #: engine-specific options (``--engine-arg KEY=VALUE``: vLLM block size, KV cache size ...), checked early
-    engine_options: dict = cli(source="engine_arg", parse=pairs, factory=dict)
+    engine_options: dict = cli(source="engine_arg", parse=parse_pairs, factory=dict)
     #: generate exactly ``output_tokens`` per agent, EOS ignored (a started engine's setting)
     ignore_eos: bool = True
     #: warm each method up on the held-out trajectories before measuring (a started engine's setting)

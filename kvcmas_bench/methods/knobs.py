@@ -17,19 +17,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import BenchError, OptionError
-from ..settings import TYPED_KNOBS, field_type, to_type
+from ..settings import TYPED_KNOBS, field_type, flag_of, to_type
 from ..settings import MethodArg as MethodArg  # the command line's knob values, read here
 from ..settings import parse_method_args as parse_method_args
 from .base import METHODS, Method
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
 def _label(key: str, value) -> str:
     """The option as the user gave it: ``--method-arg check-layer=x`` or the typed flag ``--tau``."""
-    return value.option if isinstance(value, MethodArg) else _flag(key)
+    return value.option if isinstance(value, MethodArg) else flag_of(key)
 
 
 def _named(exc: OptionError, args: Mapping[str, object]) -> str:
@@ -43,7 +39,7 @@ def _named(exc: OptionError, args: Mapping[str, object]) -> str:
         if knob in TYPED_KNOBS:
             return f"{value.option} {exc.text}"
         return f"{knob} {exc.text} (given as {value.option})"
-    return f"{_flag(knob) if knob in TYPED_KNOBS else knob} {exc.text}"
+    return f"{flag_of(knob) if knob in TYPED_KNOBS else knob} {exc.text}"
 
 
 def _field_type(cls: type[Method], key: str) -> tuple[type, bool]:
@@ -111,7 +107,7 @@ def resolve_methods(
                     f"{value.option}: unknown method option {key!r} for {which} (options: {known}; "
                     "see `kvcmas-bench methods --options`)"
                 )
-            raise OptionError(f"{_flag(key)} does not apply to {which} (options: {known})")
+            raise OptionError(f"{flag_of(key)} does not apply to {which} (options: {known})")
     factories: dict[str, MethodSpec] = {}
     for name, cls in classes.items():
         kw = dict(cls.workload_defaults(workload)) if workload is not None else {}

@@ -158,8 +158,8 @@ def _compact(d: dict, keep: tuple[str, ...] = ()) -> dict:
 
 #: fields that are measured durations or counts: a negative value is damage, not a measurement
 NON_NEGATIVE = frozenset(
-    {"ttft_s", "e2e_s", "deferred_s", "materialize_s", "first_token_id", "tokens", "kv_rel_error", "k_rel_error"}
-    | {"v_rel_error", "local_kv_rel_error"}
+    ("ttft_s", "e2e_s", "deferred_s", "materialize_s", "first_token_id", "tokens")
+    + ("kv_rel_error", "k_rel_error", "v_rel_error", "local_kv_rel_error")
 )
 
 
@@ -187,8 +187,14 @@ def _check_type(cls, name: str, value) -> None:
         raise ValueError(f"{name} {value!r} is negative")
 
 
-_WORDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string", list: "a list"}
-_WORDS[dict] = "an object"
+_WORDS = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a finite number",
+    str: "a string",
+    list: "a list",
+    dict: "an object",
+}
 
 
 @functools.cache
