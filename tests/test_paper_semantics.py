@@ -133,6 +133,40 @@ def test_eviction_removes_a_whole_anchor_and_state_bytes_count_its_entries(engin
     assert layout["bytes_per_entry"] == 4 * per_matrix and layout["bytes_per_anchor"] == 8 * per_matrix
 
 
+def test_the_same_question_twice_gives_two_anchors_with_their_own_entries(engine):
+    """Each dense fallback adds an anchor (A.3), also on content the pool already holds: the second
+    observation of a question is a second anchor, its entries beside the first's, not over them."""
+    m = get_method("kvcmas", anchors=3, rank=4, gate_mode="scaled", gate_temperature=1e6, tau=0.0)
+    q = rand_ids(10, 35)
+    chain(engine, m, q, nodes=NODES[:3])
+    pool = m.pools["q"]
+    (first,) = pool.anchors
+    kept = {c: e.delta_v.a for c, e in first.entries.items()}
+    chain(engine, m, q, nodes=NODES[:3])  # one anchor per consumer: too few to compare, dense again
+    assert [(a.id, sorted(a.entries)) for a in pool.anchors] == [(0, ["B#1", "C#2"]), (1, ["B#1", "C#2"])]
+    assert all(first.entries[c].delta_v.a is t for c, t in kept.items())  # the first anchor as it was
+    assert m.stats["anchors_inserted"] == 2 and m.stats["entries_inserted"] == 4
+    assert pool.lengths("B#1") == [10, 10]
+
+
+def test_an_anchor_the_gate_used_outlives_a_newer_unused_one(engine):
+    """LFU, not FIFO, with use counts raised by the gate itself: V = 2, anchor 0 (question 1) is
+    used by an accepted gate, anchor 1 (question 2) never; a third question's fallback evicts
+    anchor 1 (FIFO would evict anchor 0)."""
+    m = get_method("kvcmas", anchors=2, rank=None, tau=0.3)
+    q1, q2, q3 = rand_ids(10, 36), rand_ids(10, 37), rand_ids(10, 38)
+    _fill_distinct_ids(engine, m, (q1, q2), nodes=NODES[:2])
+    pool = m.pools["q"]
+    assert [(a.id, a.count) for a in pool.anchors] == [(0, 0), (1, 0)]
+    # question 1 again: B's source equals anchor 0's base exactly (distance 0), the gate is one-hot
+    (_, b) = chain(engine, m, q1, nodes=NODES[:2])
+    assert b.segments[1].gate == "accepted" and b.segments[1].details["anchors_used"] == 1
+    assert [(a.id, a.count) for a in pool.anchors] == [(0, 1), (1, 0)]
+    _fill_distinct_ids(engine, m, (q3,), nodes=NODES[:2])  # a fallback in a full pool
+    assert [a.id for a in pool.anchors] == [0, 2]  # FIFO would leave [1, 2]
+    assert pool.evicted == 1
+
+
 def test_nonchained_entries_share_one_base(engine):
     m = get_method("kvcmas-nonchained", anchors=2, rank=4, gate_mode="scaled", gate_temperature=1e6, tau=0.0)
     chain(engine, m, rand_ids(10, 41), nodes=NODES[:3])
@@ -147,10 +181,15 @@ def test_nonchained_entries_share_one_base(engine):
 
 # ---- the gate and the weights on a chain with distinct questions ----------------------------------
 def _fill_distinct(engine, m, seeds, nodes=NODES[:3]):
+    _fill_distinct_ids(engine, m, [rand_ids(12, seed) for seed in seeds], nodes)
+
+
+def _fill_distinct_ids(engine, m, questions, nodes=NODES[:3]):
+    """Every question through the chain with a gate that always rejects: each stores an anchor."""
     rejecting = (m.gate_mode, m.gate_temperature, m.tau)
     m.gate_mode, m.gate_temperature, m.tau = "scaled", 1e6, 0.0  # store every question
-    for seed in seeds:
-        chain(engine, m, rand_ids(12, seed), nodes=nodes)
+    for q in questions:
+        chain(engine, m, q, nodes=nodes)
     m.gate_mode, m.gate_temperature, m.tau = rejecting
 
 

@@ -10,9 +10,18 @@ so entries have their own bases; non-chained methods compare against the context
 so all entries of an anchor share one base (stored once). V counts instances, so a consumer sees
 up to V anchors of its own, whatever the number of consumers.
 
+**Identity.** An anchor is identified by :attr:`Anchor.created`, the pool's insertion counter when
+it was made (unique in the pool, increasing, never reused: the counter is persisted with the pool),
+not by its content. The content digest (:func:`instance_key`, :attr:`Anchor.instance`) serves one
+lookup only: a dense fallback joins the pool's newest anchor of the same content while that anchor
+holds no entry for the falling-back consumer (the same observation met by the next consumer of the
+chain); otherwise it makes a new anchor (paper A.3: a fallback "inserts ... a new anchor"). So two
+fallbacks of one consumer on identical content give two anchors (until eviction), never one
+overwritten entry.
+
 Storage is either the full ``[layers, S, D]`` matrices or truncated-SVD factors per layer,
-separately for K and V. When a new instance arrives in a full pool, the least frequently used
-anchor among the five oldest is evicted, all its entries with it.
+separately for K and V. When a new anchor is made in a full pool, the least frequently used
+anchor among the five oldest is evicted, all its entries with it (:meth:`AnchorPool.evict`).
 
 For the correction's GEMMs the small ``B`` factors of the entries in use are stacked per call
 (:func:`stack_b`); the large ``A`` factors are never copied into a stack.
@@ -33,8 +42,9 @@ PARTS = ("base_k", "base_v", "delta_k", "delta_v")
 
 
 def instance_key(ids: Sequence[int], content_key: str | None = None) -> str:
-    """Identity of one instance of a slot's content: a digest of its token ids (and of the content
-    key of segments whose ids are placeholders, such as an image's)."""
+    """Content key of a slot's content: a digest of its token ids (and of the content key of
+    segments whose ids are placeholders, such as an image's). Not an anchor's identity (identical
+    content observed twice gives two anchors): only the lookup of :meth:`AnchorPool.joinable`."""
     data = (",".join(map(str, ids)) + f"|{content_key or ''}").encode()
     return f"{len(ids)}:{hashlib.sha1(data).hexdigest()[:16]}"
 
@@ -117,12 +127,21 @@ class Entry:
 
 @dataclass(eq=False)
 class Anchor:
-    """One instance of the slot's content with an entry per consumer node that observed it."""
+    """One observation of the slot's content with an entry per consumer node that observed it."""
 
+    #: content key (:func:`instance_key`): what a later consumer's entry of the same observation
+    #: looks up, shared by every anchor of identical content
     instance: str
+    #: the anchor's identity and age: the pool's insertion counter when it was made (unique in the
+    #: pool, increasing, never reused); eviction's "oldest" and its tie-break
     created: int
     entries: dict[str, Entry] = field(default_factory=dict)
     count: int = 0
+
+    @property
+    def id(self) -> int:
+        """The anchor's identity in its pool (:attr:`created`)."""
+        return self.created
 
     @property
     def length(self) -> int:
@@ -225,8 +244,13 @@ class AnchorPool:
     def lengths(self, consumer: str) -> list[int]:
         return sorted((a.length for a in self.anchors if consumer in a.entries), reverse=True)
 
-    def find(self, instance: str) -> Anchor | None:
-        return next((a for a in self.anchors if a.instance == instance), None)
+    def joinable(self, instance: str, consumer: str) -> Anchor | None:
+        """The anchor a dense fallback of ``consumer`` on content ``instance`` adds its entry to: the
+        pool's newest anchor of that content, if it holds no entry for ``consumer`` yet (the same
+        observation, met by another consumer). None: the fallback makes a new anchor (no anchor of
+        that content, or the newest one already has this consumer's entry: a second observation)."""
+        newest = next((a for a in reversed(self.anchors) if a.instance == instance), None)
+        return newest if newest is not None and consumer not in newest.entries else None
 
     def add(  # noqa: PLR0913  (the K/V base and delta of one observation, its key and factorization)
         self,
@@ -242,12 +266,13 @@ class AnchorPool:
         svd: str = "auto",
         delta_rank: int | None = None,
     ) -> Anchor:
-        """Add the consumer's entry to the anchor of ``instance`` (created, evicting when the pool is
-        full, if this instance has none yet). An entry whose source another entry of the anchor
-        already read shares that entry's base factors. ``rank`` factors the base, ``delta_rank`` the
-        deltas (None: ``rank``, as the methods' ``delta_rank`` knob; full-dimensional when ``rank`` is)."""
+        """Add the consumer's entry to the anchor :meth:`joinable` finds for content ``instance``, else
+        to a new anchor (evicting first when the pool is full); returns that anchor. An existing
+        entry is never overwritten. An entry whose source another entry of the anchor already read
+        shares that entry's base factors. ``rank`` factors the base, ``delta_rank`` the deltas
+        (None: ``rank``, as the methods' ``delta_rank`` knob; full-dimensional when ``rank`` is)."""
         rd = rank if delta_rank is None else delta_rank
-        anchor = self.find(instance)
+        anchor = self.joinable(instance, consumer)
         entries = anchor.entries.values() if anchor is not None else ()
         same = next((e for e in entries if e.source_key == source_key), None)
         bases = [] if same is not None else [(base_k, rank), (base_v, rank)]
@@ -264,7 +289,9 @@ class AnchorPool:
         return anchor
 
     def evict(self) -> Anchor:
-        """Least frequently used among the five oldest (ties: the oldest); removes the whole anchor."""
+        """Removes and returns the whole anchor with the lowest activation ``count`` among the five
+        oldest (smallest :attr:`Anchor.created`), ties going to the oldest of them (KVComm's rule,
+        paper A.3). Not FIFO: an older anchor that the gate has used outlives a newer unused one."""
         oldest = sorted(self.anchors, key=lambda a: a.created)[:5]
         victim = min(oldest, key=lambda a: (a.count, a.created))
         self.anchors.remove(victim)

@@ -122,7 +122,8 @@ class OnlineDeltaCorrection(Method):
     #: per segment as ``dropped_weight``) times the dropped deltas' magnitude; 0 applies every term
     prune_tol: float = 1e-4
     #: gate and correct with only the anchors covering the whole segment (KVCOMM's public code);
-    #: False: the paper's variable-length rule (A.3: the longest prefix two anchors cover)
+    #: False: the paper's variable-length rule (A.3; :func:`~kvcmas_bench.ops.gate_outcome.gate_route`:
+    #: k = min(S, the second-longest stored length), the anchors at least k long, their first k rows)
     full_coverage: ClassVar[bool] = False
     pools: dict[str, AnchorPool] = state(default_factory=dict)
     stats: dict[str, int] = state(default_factory=dict)
@@ -267,9 +268,14 @@ class OnlineDeltaCorrection(Method):
         ``ref_v``: the reference's values, head-major ``[layers, kv_heads, S, hd]`` (as caches hold
         them) or in the row layout ``[layers, S, D]``.
 
-        The comparison prefix k is the segment length when two anchors cover it, otherwise the
-        longest prefix two anchors cover (``full_coverage``: only anchors covering the whole segment
-        take part, as KVCOMM's code gates). With a pool of one the gate is bypassed (paper C.3).
+        Variable lengths (paper A.3; :func:`~kvcmas_bench.ops.gate_outcome.gate_route`): with the
+        consumer's stored anchor lengths l1 >= l2 >= ..., the comparison prefix is k = min(S, l2),
+        i.e. the second-longest anchor sets it (the longest prefix two anchors cover; equal lengths
+        count separately). The gate and the correction both use exactly the anchors at least k long,
+        each through its first k rows (rows of a longer anchor beyond k are never read); shorter
+        anchors take no part, not even in the rows they cover; rows k..S-1 stay the aligned
+        reference. ``full_coverage``: only anchors covering the whole segment count, so k = S (as
+        KVCOMM's code gates). With a pool of one the gate is bypassed and k = min(S, l1) (paper C.3).
         ``details`` receives the decision's accounting: outcome, compatible anchors, comparison
         prefix, entropy and the anchors whose activation counts it raised. ``force`` (a scheduled
         reuse, serve-sweep's controlled rho): accept whatever the entropy, with one anchor too.
@@ -486,8 +492,9 @@ class OnlineDeltaCorrection(Method):
         exact: SegmentKV,
         inv_freq: torch.Tensor,
     ) -> None:
-        """The consumer's entry from a dense fallback, in the anchor of this instance of the slot:
-        base = C_ref, Delta = C_j - align(C_ref) (canonical)."""
+        """The consumer's entry from a dense fallback (Eq. 12): base = C_ref, Delta = C_j - align(C_ref)
+        (canonical), in the newest anchor of this content if it has no entry for the consumer yet,
+        else in a new anchor (:meth:`AnchorPool.joinable`): a repeated fallback adds an anchor."""
         ex_k = shift_to_rows(exact.k, -exact.start, inv_freq)
         ex_v = rows_copy(exact.v)
         dtype = getattr(torch, self.anchor_dtype) if self.anchor_dtype else exact.k.dtype

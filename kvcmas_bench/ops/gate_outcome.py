@@ -63,10 +63,20 @@ def gate_route(lengths: Sequence[int], S: int, pool_size: int, force: bool) -> t
 
     ``lengths``: the stored lengths of the anchors the consumer may use, longest first; ``pool_size``:
     the method's ``anchors``; ``force``: a scheduled reuse. Returns the outcome decided without
-    comparing (None: compare by entropy) and the comparison prefix ``k`` (0 when no anchor serves):
-    with a pool of one, or a scheduled reuse with one anchor, that anchor's prefix (bypassed /
-    scheduled; no anchor at all: ``NO_ANCHOR``); otherwise the longest prefix two anchors cover,
-    when two exist (else ``TOO_FEW_ANCHORS``).
+    comparing (None: compare by entropy) and the comparison prefix ``k`` (0 when no anchor serves).
+
+    The variable-length rule (paper A.3), with ``lengths`` = l1 >= l2 >= ...: ``k = min(S, l_m)``,
+    where ``m`` is how many anchors the decision needs: ``m = 2`` when the gate compares (Eq. 9-11
+    need two compatible anchors), so the *second-longest* anchor sets ``k``; ``m = 1`` with a pool of
+    one (bypassed) or a scheduled reuse with one anchor (scheduled), so that anchor sets it. Equal
+    lengths count separately (``[12, 12, 5]``, S = 16: k = 12). Fewer than ``m`` anchors: dense
+    (``NO_ANCHOR`` / ``TOO_FEW_ANCHORS``). The caller then uses exactly the anchors at least ``k``
+    long, each through its first ``k`` rows, and keeps the aligned reference for rows ``k..S-1``:
+    ``[16, 9, 5]``, S = 12 gives k = 9 with the 16- and 9-token anchors, the 5-token one unused.
+    The paper says the correction uses the anchors covering all S tokens, else "the longest covered
+    prefix"; this reads "covered" as covered by the two anchors the gate needs, also when exactly one
+    anchor covers S (which the paper leaves open), so a longer anchor never turns a segment that
+    would be corrected on its first k rows into a dense fallback.
     """
     if pool_size == 1 or (force and len(lengths) == 1):
         if not lengths:
