@@ -45,7 +45,7 @@ from ..results.records import read_jsonl_objects, write_json
 from ..results.request import RequestRecord
 from ..serving.arrivals import arrival_times, check_rate
 from ..serving.engines import ENGINE_LIMITS, ServingEngine, check_engine, get_engine, replay_all
-from ..serving.metrics import DEFINITIONS, QPS_UNIT, capacity, mark_saturation, sweep_row
+from ..serving.metrics import DEFINITIONS, QPS_UNIT, capacity, sweep_rows
 from ..serving.traces import (
     DEFAULT_ACCUMULATED_CONTEXT,
     N_AGENTS,
@@ -187,8 +187,12 @@ def validate(
     return names, sorted({float(q) for q in qps})
 
 
-def check_fits(traces: Sequence[Trace], max_positions: int | None, vocab: int | None) -> None:
-    """Every agent's prompt + output must fit the model context; every id the vocabulary."""
+def check_fits(
+    traces: Sequence[Trace], max_positions: int | None, vocab: int | None, source: str | None = None
+) -> None:
+    """Every agent's prompt + output must fit the model context; every id the vocabulary (checked
+    once the model is known, before any request runs). ``source``: the trace file the traces were
+    read from, named with the trajectory and the field of an id past the vocabulary."""
     for tr in traces:
         need = tr.max_positions()
         if max_positions is not None and need > max_positions:
@@ -203,14 +207,25 @@ def check_fits(traces: Sequence[Trace], max_positions: int | None, vocab: int | 
                 "lower --shared-tokens or --output-tokens"
             )
         if vocab is not None:
-            top = max(
-                [max(tr.context_ids, default=0)]
-                + [max(s["ids"], default=0) for a in tr.agents for s in a.segments if s["kind"] == "PF"]
-            )
-            if top >= vocab:
-                raise BenchError(
-                    f"trace {tr.id} holds token id {top} >= vocabulary size {vocab} (built with another tokenizer?)"
-                )
+            _check_vocab(tr, vocab, source)
+
+
+def _check_vocab(tr: Trace, vocab: int, source: str | None) -> None:
+    """Every token id of ``tr`` (context and PF segments) lies below the model's vocabulary size."""
+    fields = [("context_ids", tr.context_ids)] + [
+        (f"agents[{i}].segments[{j}].ids", s["ids"])
+        for i, a in enumerate(tr.agents)
+        for j, s in enumerate(a.segments)
+        if s["kind"] == "PF"
+    ]
+    for where, ids in fields:
+        if max(ids, default=0) < vocab:
+            continue
+        k = next(k for k, t in enumerate(ids) if t >= vocab)
+        what = f"{source}: trajectory {json.dumps(tr.id)}: {where}[{k}]" if source else f"trace {tr.id}: {where}[{k}]"
+        raise BenchError(
+            f"{what} holds token id {ids[k]} >= vocabulary size {vocab} of the model (built with another tokenizer?)"
+        )
 
 
 def engine_methods(engine: str, asked: Sequence[str], names: list[str], backend=None) -> list[str]:
@@ -494,7 +509,14 @@ def resolve(opts: SweepOptions) -> SweepPlan:
     matched = parse_matched_rho(opts.matched_rho)
     specs = _method_specs(opts.methods, names, engine_name, opts.engine, matched, opts.method_args)
     needs_calib = _needs_calibration(specs, opts.calib_trajectories, opts.traces_path)
-    loaded = load_traces(opts.traces_path) if opts.traces_path else None
+    loaded = None
+    if opts.traces_path:
+        # every field of every line checked, then what the options ask of the file (its kind, its
+        # shared lengths, enough trajectories): a damaged or unsuitable file fails before the model loads
+        loaded = load_traces(opts.traces_path)
+        _groups_from_file(
+            loaded, opts.traces_path, opts.shared_tokens, opts.num_trajectories, opts.accumulated, needs_calib
+        )
     return SweepPlan(engine_name, specs, qps_list, matched, needs_calib, loaded)
 
 
@@ -604,7 +626,7 @@ def _set_traces(
             opts.texts,
             opts.warmup_trajectories,
         )
-    check_fits(sweep.traces, backend.max_positions, backend.vocab_size)
+    check_fits(sweep.traces, backend.max_positions, backend.vocab_size, sweep.traces_path)
 
 
 def _write_config(out_dir: Path, config: dict, backend: ServingEngine) -> None:
@@ -732,13 +754,16 @@ def serve(
 def write(out_dir: Path, config: dict, timelines: dict, plots: bool = True, console=None) -> dict:
     """Rows from the served timelines; write requests.jsonl, summary.json, plots; print the table
     (``console`` not None); the summary."""
-    rows, requests = [], []
+    served_all = []
     for (method, shared), per_qps in timelines.items():
         for q, served in per_qps.items():
-            rows.append({**sweep_row(method, shared, q, served), "rho_target": rho_target(config, method)})
-            requests.extend(r.to_dict() for r in served)
-    _write_jsonl(out_dir / "requests.jsonl", requests)
-    mark_saturation(rows)
+            for r in served:
+                r.method, r.shared_tokens, r.qps = method, shared, q
+            served_all.extend(served)
+    rows = sweep_rows(served_all)
+    for row in rows:
+        row["rho_target"] = rho_target(config, row["method"])
+    _write_jsonl(out_dir / "requests.jsonl", [r.to_dict() for r in served_all])
     summary = {
         "server": config.get("server"),
         "engine": config.get("engine"),

@@ -238,6 +238,19 @@ def sweep_row(method: str, shared: int, qps: float, served: Sequence[RequestReco
     }
 
 
+def sweep_rows(served: Sequence[RequestRecord]) -> list[dict]:
+    """The rows of a sweep from its served requests (each carrying its ``method``,
+    ``shared_tokens`` and ``qps``): one :func:`sweep_row` per point in the order first met,
+    saturation marked. ``serve-sweep`` writes its summary with it and the readers recompute the
+    rows with it from ``requests.jsonl``."""
+    groups: dict[tuple, list[RequestRecord]] = {}
+    for r in served:
+        groups.setdefault((r.method, r.shared_tokens, r.qps), []).append(r)
+    rows = [sweep_row(m, s, q, rs) for (m, s, q), rs in groups.items()]
+    mark_saturation(rows)
+    return rows
+
+
 def capacity(rows: Sequence[dict], reference: str = "nonshared") -> dict:
     """Per shared length: the QPS the reference method (NonShared) can sustain.
 

@@ -156,8 +156,9 @@ class Trace:
 
     @classmethod
     def from_dict(cls, d: dict) -> Trace:
-        if d.get("format") != FORMAT:
-            raise ValueError(f"format {d.get('format')!r}, expected {FORMAT!r}")
+        """A trajectory from its saved object, every field checked first (:func:`check_trace_dict`:
+        a ``ValueError`` naming the field, e.g. ``agents[1].segments[0].ids[3]``)."""
+        check_trace_dict(d)
         d = {k: v for k, v in d.items() if k != "format"}
         d["agents"] = [AgentSpec(**a) for a in d["agents"]]
         tr = cls(**d)
@@ -178,13 +179,19 @@ def save_traces(traces: Sequence[Trace], path: str | Path) -> None:
 
 
 def load_traces(path: str | Path) -> list[Trace]:
+    """The trajectories of a trace file (JSONL, one a line), every field of every line checked
+    (:func:`check_trace_dict`) and trajectory ids unique: a damaged file is a :class:`BenchError`
+    of one line naming the file, the line, the trajectory and the field. Token ids are checked
+    against the model's vocabulary once it is known (serve-sweep's ``check_fits``)."""
     p = Path(path)
     if not p.is_file():
         raise BenchError(f"trace file not found: {p}")
     out = []
+    seen: dict[str, int] = {}
     try:
         with open(p, "rb") as f:
             for n, raw in enumerate(f, 1):
+                d = None
                 try:
                     line = raw.decode("utf-8")
                     if not line.strip():
@@ -192,14 +199,175 @@ def load_traces(path: str | Path) -> list[Trace]:
                     d = json.loads(line)
                     if not isinstance(d, dict):
                         raise TypeError(f"a JSON {type(d).__name__}, not an object")
-                    out.append(Trace.from_dict(d))
+                    tr = Trace.from_dict(d)
+                    if tr.id in seen:
+                        raise ValueError(f"id repeats the trajectory of line {seen[tr.id]}")
                 except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-                    raise BenchError(f"{p}: line {n} is not a valid serving trace ({str(exc)[:200]})") from None
+                    raise BenchError(
+                        f"{p}: line {n}{_which(d)} is not a valid serving trace: {_one_line(exc)}"
+                    ) from None
+                seen[tr.id] = n
+                out.append(tr)
     except OSError as exc:
         raise BenchError(f"cannot read trace file {p}: {exc.strerror or exc}") from None
     if not out:
         raise BenchError(f"trace file {p} holds no trajectories")
     return out
+
+
+def _which(d) -> str:
+    """`` (trajectory "ID")`` of a line whose id is a readable string, else nothing."""
+    tid = d.get("id") if isinstance(d, dict) else None
+    return f" (trajectory {_show(tid)})" if isinstance(tid, str) and tid else ""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+# ---- checking a saved trajectory -----------------------------------------------------------------
+SPLITS = ("eval", "calibration", "warmup")
+_REQUIRED = ("format", "id", "shared_tokens", "context_tokens", "output_tokens", "accumulated", "context_ids", "agents")
+_OPTIONAL = ("split", "meta", "schedule")
+_AGENT_FIELDS = ("name", "segments", "max_new_tokens")
+_SEGMENT_FIELDS = {"PF": ({"kind", "ids"}, {"name"}), "PH": ({"kind", "slot"}, {"name"})}
+
+
+def _show(v) -> str:
+    """A value as the JSON of the file shows it (one line, at most 40 characters)."""
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive(d: dict, key: str, where: str) -> int:
+    v = d[key]
+    if not _is_int(v) or v < 1:
+        raise ValueError(f"{where} must be an integer >= 1, got {_show(v)}")
+    return v
+
+
+def _fields(d, where: str, required, optional=()) -> None:
+    """``d`` is an object holding every field of ``required`` and none outside ``optional``."""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be an object, got {_show(d)}")
+    for k in required:
+        if k not in d:
+            raise ValueError(f"{where + ': ' if where else ''}missing field {k!r}")
+    for k in d:
+        if k not in required and k not in optional:
+            raise ValueError(f"{where + ': ' if where else ''}unknown field {_show(k)}")
+
+
+def check_token_ids(ids, where: str, empty_ok: bool = False) -> None:
+    """``ids`` is a list of token ids: non-negative integers (not booleans); non-empty unless
+    ``empty_ok``. The vocabulary bound needs the model (serve-sweep's ``check_fits``)."""
+    if not isinstance(ids, list):
+        raise ValueError(f"{where} must be a list of token ids, got {_show(ids)}")
+    if not ids and not empty_ok:
+        raise ValueError(f"{where} is empty; it must hold at least one token id")
+    if all(type(t) is int and t >= 0 for t in ids):
+        return
+    k, bad = next((k, t) for k, t in enumerate(ids) if not (_is_int(t) and t >= 0))
+    raise ValueError(f"{where}[{k}] must be a non-negative integer token id, got {_show(bad)}")
+
+
+def check_trace_dict(d: dict) -> None:
+    """Every field of one saved trajectory (a line of a trace file), with a ``ValueError`` naming
+    the first bad one: ``format``; ``id`` a non-empty string; ``shared_tokens``, ``context_tokens``,
+    ``output_tokens`` integers >= 1; ``accumulated`` a boolean; ``context_ids`` exactly
+    ``context_tokens`` token ids (controlled traces: ``shared_tokens`` of them; accumulated ones:
+    ``output_tokens`` is ``shared_tokens // (agents - 1)``); ``split`` one of :data:`SPLITS`; ``meta``
+    an object; ``agents`` a non-empty list of agents with unique non-empty names, each generating
+    ``output_tokens`` (``max_new_tokens``), whose ``segments`` are PF (token ``ids``, maybe an empty
+    list, and an optional ``name``) or PH (a ``slot``: ``ctx`` or ``out:<an earlier agent>``, once an
+    agent) and make a non-empty prompt. Unknown fields are refused. (The schedule is checked against
+    the agents by :func:`check_schedule`.)"""
+    if not isinstance(d, dict):
+        raise ValueError(f"a JSON {type(d).__name__}, not an object")
+    if d.get("format") != FORMAT:
+        raise ValueError(f"format {_show(d.get('format'))}, expected {FORMAT!r}")
+    _fields(d, "", _REQUIRED, _OPTIONAL)
+    if not isinstance(d["id"], str) or not d["id"]:
+        raise ValueError(f"id must be a non-empty string, got {_show(d['id'])}")
+    shared = _positive(d, "shared_tokens", "shared_tokens")
+    ctx = _positive(d, "context_tokens", "context_tokens")
+    out = _positive(d, "output_tokens", "output_tokens")
+    if not isinstance(d["accumulated"], bool):
+        raise ValueError(f"accumulated must be true or false, got {_show(d['accumulated'])}")
+    check_token_ids(d["context_ids"], "context_ids")
+    if len(d["context_ids"]) != ctx:
+        raise ValueError(f"context_ids holds {len(d['context_ids'])} token ids, context_tokens says {ctx}")
+    if d.get("split", "eval") not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {_show(d.get('split'))}")
+    if not isinstance(d.get("meta", {}), dict):
+        raise ValueError(f"meta must be an object, got {_show(d['meta'])}")
+    agents = d["agents"]
+    if not isinstance(agents, list) or not agents:
+        raise ValueError(f"agents must be a non-empty list of agents, got {_show(agents)}")
+    if not d["accumulated"] and shared != ctx:
+        raise ValueError(f"shared_tokens is {shared} but a controlled trace shares its {ctx} context_tokens")
+    n_up = len(agents) - 1
+    if d["accumulated"] and out != (shared // n_up if n_up else shared):
+        raise ValueError(
+            f"output_tokens is {out} but an accumulated output of {shared} tokens over {n_up} upstream "
+            f"agents is {shared // n_up if n_up else shared} per agent"
+        )
+    names: list[str] = []
+    for i, a in enumerate(agents):
+        where = f"agents[{i}]"
+        _fields(a, where, _AGENT_FIELDS)
+        if not isinstance(a["name"], str) or not a["name"]:
+            raise ValueError(f"{where}.name must be a non-empty string, got {_show(a['name'])}")
+        if a["name"] in names:
+            raise ValueError(f"{where}.name {_show(a['name'])} repeats agents[{names.index(a['name'])}]")
+        if _positive(a, "max_new_tokens", f"{where}.max_new_tokens") != out:
+            raise ValueError(f"{where}.max_new_tokens is {a['max_new_tokens']} but output_tokens is {out}")
+        _check_segments(a["segments"], f"{where}.segments", names)
+        names.append(a["name"])
+
+
+def _check_segments(segs, where: str, earlier: list[str]) -> None:
+    """One agent's segments (see :func:`check_trace_dict`); ``earlier``: the agents before it."""
+    if not isinstance(segs, list) or not segs:
+        raise ValueError(f"{where} must be a non-empty list of segments, got {_show(segs)}")
+    slots: set[str] = set()
+    tokens = 0
+    for j, s in enumerate(segs):
+        at = f"{where}[{j}]"
+        if not isinstance(s, dict):
+            raise ValueError(f"{at} must be an object, got {_show(s)}")
+        kind = s.get("kind")
+        if kind not in _SEGMENT_FIELDS:
+            raise ValueError(f"{at}.kind must be PF or PH, got {_show(kind)}")
+        if kind == "PH" and "ids" in s:
+            raise ValueError(f"{at}.ids: a PH segment holds no ids (its slot is filled when the trace runs)")
+        _fields(s, at, *_SEGMENT_FIELDS[kind])
+        if not isinstance(s.get("name", ""), str):
+            raise ValueError(f"{at}.name must be a string, got {_show(s['name'])}")
+        if kind == "PF":
+            check_token_ids(s["ids"], f"{at}.ids", empty_ok=True)
+            tokens += len(s["ids"])
+            continue
+        slot = s["slot"]
+        producer = slot[4:] if isinstance(slot, str) and slot.startswith("out:") else None
+        if slot != CTX_SLOT and producer not in earlier:
+            raise ValueError(
+                f"{at}.slot must be {CTX_SLOT!r} or 'out:<an earlier agent>' "
+                f"({', '.join(earlier) or 'none here'}), got {_show(slot)}"
+            )
+        if slot in slots:
+            raise ValueError(f"{at}.slot {_show(slot)} appears twice in one agent")
+        slots.add(slot)
+    if not tokens and not slots:
+        raise ValueError(f"{where} make an empty prompt (no PF token ids and no PH slot)")
 
 
 # ---- building ------------------------------------------------------------------------------------
@@ -501,5 +669,5 @@ def check_schedule(trace: Trace) -> None:
     if not isinstance(sch, list) or len(sch) != len(trace.agents):
         raise ValueError(f"schedule must be a list of {len(trace.agents)} per-agent objects")
     for i, (a, d) in enumerate(zip(trace.agents, sch)):
-        if not isinstance(d, dict) or set(d) != set(a.slots) or not set(d.values()) <= {"dense", "reuse"}:
-            raise ValueError(f"schedule of agent {i} must map its slots {a.slots} to 'dense' or 'reuse'")
+        if not isinstance(d, dict) or set(d) != set(a.slots) or any(v not in ("dense", "reuse") for v in d.values()):
+            raise ValueError(f"schedule[{i}] must map the slots {a.slots} of agents[{i}] to 'dense' or 'reuse'")
