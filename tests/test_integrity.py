@@ -122,7 +122,7 @@ def _append_orphans(path: Path, *ids: str) -> None:
         (lambda d: (d / "config.json").write_bytes(b"\xff\xfe"), "config.json is not valid JSON"),
         # issue 18: the cases readers check too (one rule set, records.read_run_files)
         (lambda d: _delete_line(d / "requests.jsonl", 4), "samples.jsonl line 1 is sample"),
-        (lambda d: _rename_sample(d, 2), "requests.jsonl line 5 belongs to sample"),
+        (lambda d: _rename_sample(d, 2), "line 2 is sample 'mmlu-renamed', which is not one of the run's 4 samples"),
         (
             lambda d: _append_orphans(d / "requests.jsonl", "mmlu-x", "mmlu-y"),
             "requests.jsonl line 18 belongs to sample",

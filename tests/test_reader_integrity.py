@@ -111,7 +111,8 @@ def orphans_of_two_samples(d: Path) -> None:
 
 def orphan_sample(d: Path) -> None:
     s = lines(d / "samples.jsonl")
-    write_lines(d / "samples.jsonl", s + [json.dumps({"sample_id": "mmlu-5", "correct": True}).encode() + b"\n"])
+    extra = {"sample_id": "mmlu-5", "gold": "A", "prediction": "A", "correct": True}
+    write_lines(d / "samples.jsonl", s + [json.dumps(extra).encode() + b"\n"])
 
 
 def missing_first_request(d: Path) -> None:
@@ -391,7 +392,7 @@ def make_records(d: Path) -> Path:
                 rec = RequestRecord("A0", 0.1, 0.2, method=method, shared_tokens=2048, trajectory=t, step=step)
                 service.append(json.dumps(rec.to_dict()) + "\n")
                 for qps in (0.0, 0.25, 8.0):
-                    rec.qps, rec.arrival_s = qps, float(step)
+                    rec.qps, rec.arrival_s, rec.completion_s = qps, float(step), float(step) + 0.5
                     served.append(json.dumps(rec.to_dict()) + "\n")
     (d / "service.jsonl").write_text("".join(service))
     (d / "requests.jsonl").write_text("".join(served))

@@ -200,8 +200,8 @@ def test_summary_and_table1_take_every_figure_from_one_definition(tmp_path):
     assert "method_state_bytes" not in summary and "ttft_s_p90" not in row
     # the runs frame (summary.json, flattened) carries the same figure under the same name
     runs = load_dirs([d]).runs_frame()
-    assert runs["summary_fidelity_kv_rel_error"].iloc[0] == row["kv_rel_error"]
-    assert runs["summary_accuracy_ci_high"].iloc[0] == row["accuracy_ci_high"]
+    assert runs["kv_rel_error"].iloc[0] == row["kv_rel_error"]
+    assert runs["accuracy_ci_high"].iloc[0] == row["accuracy_ci_high"]
 
 
 def test_accuracy_across_repeats(tmp_path):
@@ -332,7 +332,9 @@ def test_report_writes_every_table_and_figure(matrix, tmp_path):
         assert f.png.stat().st_size > 0 and f.svg.read_text().lstrip().startswith("<?xml")
     html = (out / "report.html").read_text()
     md = (out / "report.md").read_text()
-    assert html.count("<table>") == 2 and html.count("data:image/png;base64,") == len(res.figures)
+    # Table 1, the accounting (summed from the request records) and the sweep
+    assert html.count("<table>") == 3 and html.count("data:image/png;base64,") == len(res.figures)
+    assert "Method accounting (from the request records)" in md
     for text in (html, md):
         assert "Table 1: mmlu" in text and "serve-sweep" in text
         for label in ("nonshared", "fullshared", "kvcmas", "cacheblend rho=0.5", "cacheblend rho=0.9"):
@@ -408,12 +410,23 @@ def test_accounting_shows_a_counter_that_repeats_a_status_count_once():
     from types import SimpleNamespace
 
     from kvcmas_bench.jobs.report import accounting_section
+    from kvcmas_bench.results.request import RequestRecord, SegmentRecord
 
-    graphflow = {"corrected": 100, "segments": {"corrected": 100, "exact": 3}}
-    kvcmas = {"accepted": 59, "corrected": 2, "segments": {"corrected": 59, "exact": 41}}  # 2 != 59: kept
+    def records(stats: dict, statuses: dict) -> list:
+        """One request per status count (its shared segments), the counters on the first."""
+        segs = [SegmentRecord("PH", 4, status=k) for k, n in statuses.items() for _ in range(n)]
+        return [RequestRecord("A", 0.1, 0.2, segments=segs, method_stats=stats)]
+
+    # summed from the request records, not read from summary.json (which says nothing here)
     runs = [
-        SimpleNamespace(run_id="mmlu/graphflow", summary={"accounting": graphflow}),
-        SimpleNamespace(run_id="mmlu/kvcmas", summary={"accounting": kvcmas}),
+        SimpleNamespace(
+            run_id="mmlu/graphflow", summary={}, records=records({"corrected": 100}, {"corrected": 100, "exact": 3})
+        ),
+        SimpleNamespace(
+            run_id="mmlu/kvcmas",
+            summary={"accounting": {"accepted": 1}},
+            records=records({"accepted": 59, "corrected": 2}, {"corrected": 59, "exact": 41}),  # 2 != 59: kept
+        ),
     ]
     sec = accounting_section(SimpleNamespace(runs=runs))
     assert sec.rows[0] == {"run": "mmlu/graphflow", "segments corrected": 100, "segments exact": 3}

@@ -36,7 +36,7 @@ from ..methods.knobs import MethodArg, convert, expected
 from ..ops.gate import DEFAULT_GATE_TEMPERATURE, GATES
 from ..results.frames import read_json
 from ..results.outdir import atomic_write, lock_output_dir
-from ..results.records import corrupt_input, read_run_files, request_steps, write_json
+from ..results.records import corrupt_input, read_run_files, write_json
 from ..results.request import SegmentRecord
 from ..settings import EvalSettings, cli, comma_items, comma_list, derive
 from ..workloads import get_workload
@@ -401,9 +401,7 @@ def _gated_segments(run_dir: Path) -> list[SegmentRecord]:
     """The segments of a run's finished samples whose gate compared anchors, read by the run
     directory readers (:func:`~kvcmas_bench.results.records.read_run_files`)."""
     config = read_json(run_dir / "config.json") if (run_dir / "config.json").exists() else None
-    _, _, records, _ = read_run_files(
-        run_dir / "samples.jsonl", run_dir / "requests.jsonl", request_steps(config), corrupt_input
-    )
+    _, _, records, _ = read_run_files(run_dir / "samples.jsonl", run_dir / "requests.jsonl", config, corrupt_input)
     return [s for r in records for s in r.segments if s.gate is not None and s.gate.compared]
 
 
@@ -451,7 +449,7 @@ def write_outputs(res: AblateResult, kind: str, plots: bool = True) -> None:
 
 DEFINITIONS = [
     "agree w/ NonShared: share of samples whose final answer equals NonShared's over the same samples "
-    "(first-token agree: per request).",
+    "(an unparsed answer agrees with nothing; first-token agree: per request).",
     "rho: (token, layer) entries served by reuse / reuse-eligible shared entries (summary.json definitions).",
     "gated tokens accepted: share of the tokens of segments whose gate compared anchors that it accepted "
     "(segments with fewer than two compatible anchors are dense and not gated).",

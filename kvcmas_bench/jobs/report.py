@@ -56,7 +56,8 @@ DEFINITIONS = [
     "accuracy at each seed (suite --repeats).",
     "agree w/ NonShared: share of common samples whose final answer equals NonShared's on the same sample "
     "(HumanEval: the final output); first-token agree: share of common requests (sample, step) whose first "
-    "generated token equals NonShared's. NonShared's reference is itself.",
+    "generated token equals NonShared's. An unparsed answer agrees with nothing (not even another unparsed "
+    "one), so NonShared's row, its own reference, reads the share of its samples with a parsed answer.",
     "E2E latency: sum of the agents' end-to-end times per sample (s), mean over samples.",
     "TTFT: time to first token per agent request (s), including correction and reference-prefill work.",
     "peak mem: max over requests of the device peak (CUDA) or the process peak RSS (CPU), MiB.",
@@ -264,10 +265,13 @@ def repeats_sections(rep: pd.DataFrame) -> list[Section]:
 
 
 def accounting_section(results: Results) -> Section | None:
-    """Counts of ``summary.json``'s ``accounting`` (when the runs recorded it)."""
+    """Method counters and segment statuses of every run, summed from its request records (what
+    ``summary.json``'s ``accounting`` holds, recomputed)."""
+    from ..results.summary import accounting
+
     rows = []
     for r in results.runs:
-        acc = r.summary.get("accounting")
+        acc = accounting(r.records) if r.records else None
         if isinstance(acc, dict):
             segments = acc.get("segments") or {}
             # a method's own counter named like a segment status (GraphFlow's corrected/uncalibrated)
@@ -281,7 +285,7 @@ def accounting_section(results: Results) -> Section | None:
         return None
     keys = list(dict.fromkeys(k for row in rows for k in row if k != "run"))
     cols = [Column("run", "run", "text", 0, "left")] + [Column(k, k.replace("_", " "), "num") for k in keys]
-    return Section("Method accounting (summary.json)", cols, rows)
+    return Section("Method accounting (from the request records)", cols, rows)
 
 
 def sweep_sections(results: Results) -> list[Section]:
@@ -308,9 +312,21 @@ def document(res: ReportResult) -> Document:
     sections += repeats_sections(res.repeats)
     acc = accounting_section(results)
     sections += ([acc] if acc else []) + sweep_sections(results)
+    from ..results.summary import DEFINITIONS as RUN_DEFINITIONS
+
+    intro += [
+        f"{r.path}/summary.json disagrees with its records, which are used: {d}"
+        for r in results.runs
+        for d in r.disagreements[:3]
+    ]
+    intro += [
+        f"{s.path}/summary.json disagrees with its records, which are used: {d}"
+        for s in results.sweeps
+        for d in s.disagreements[:3]
+    ]
     definitions = list(DEFINITIONS)
-    for r in results.runs[:1]:
-        definitions += [f"{k}: {v}" for k, v in (r.summary.get("definitions") or {}).items()]
+    if results.runs:
+        definitions += [f"{k}: {v}" for k, v in RUN_DEFINITIONS.items()]
     if results.sweeps:
         definitions += [f"serve-sweep {k}: {v}" for k, v in SWEEP_DEFINITIONS.items()]
     return Document("kvcmas-bench report", intro, sections, res.figures, definitions)

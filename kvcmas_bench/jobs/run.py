@@ -169,13 +169,15 @@ def prepare(opts: RunOptions) -> Prepared:
         lm = load_model(opts.model, opts.dtype, str(device))
     check_context(opts, workload, lm.model)
     p = Prepared(workload, spec, samples, calib, lm, Engine(lm.model, lm.tokenizer))
-    p.rss_reset = reset_peaks(p.engine.device)  # this run's peak, whatever ran before in the process
     p.method = spec()
     if p.method.needs_calibration:
         obs = collect(lambda m: p.flow(m, opts), calib, with_reference=p.method.calibration_reference)
         p.method.calibrate(obs, p.engine.n_layers)
     if opts.target_reuse is not None:
         p.method, p.chosen_tau = auto_tau(p.method, lambda m: p.flow(m, opts), calib, opts.target_reuse)
+    # this run's peak from its first sample on: neither calibration traffic nor whatever ran before
+    # in the process lands in it (the calibrated state itself stays resident and counts)
+    p.rss_reset = reset_peaks(p.engine.device)
     return p
 
 
@@ -199,6 +201,7 @@ def run_config(opts: RunOptions, p: Prepared, flow: Workflow) -> dict:
         "topology": opts.topology,
         "n_agents": flow.n_agents,
         "rounds": opts.rounds,
+        "sample_ids": [s.id for s in p.samples],
         "calibration_samples": [s.id for s in p.calib],
         "target_reuse": opts.target_reuse,
         "auto_tau": p.chosen_tau,
@@ -206,7 +209,7 @@ def run_config(opts: RunOptions, p: Prepared, flow: Workflow) -> dict:
         "prefix_caching": False,
         "decoding": "greedy",
         "engine": "in-process (one request at a time)",
-        "peak_memory": "per run: peak counters reset after the model is loaded, before calibration"
+        "peak_memory": "per run: peak counters reset after the model is loaded and the method calibrated"
         + ("" if p.rss_reset or p.engine.device.type == "cuda" else " (RSS high-water mark not resettable here)"),
         **provenance(p.engine.device),
     }

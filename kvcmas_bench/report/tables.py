@@ -104,12 +104,14 @@ def answer_key(run: Run) -> str:
 
 def sample_agreement(run: Run, ref: Run, ids: set | None = None) -> pd.DataFrame:
     """Per common sample (of ``ids`` when given): the method's answer, NonShared's, and whether
-    they are equal."""
+    they are equal. An unparsed answer (None) agrees with nothing, another unparsed one included:
+    two failures to answer are not the same answer. So NonShared's own row reads the share of its
+    samples with a parsed answer, the ceiling any method's agreement can reach."""
     key = answer_key(run)
     a = _only(run.samples, ids)[["sample_id", key]].rename(columns={key: "answer"})
     b = ref.samples[["sample_id", key]].rename(columns={key: "reference_answer"})
     m = a.merge(b, on="sample_id")
-    m["agree"] = [x == y or (pd.isna(x) and pd.isna(y)) for x, y in zip(m["answer"], m["reference_answer"])]
+    m["agree"] = [not pd.isna(x) and x == y for x, y in zip(m["answer"], m["reference_answer"])]
     return m
 
 

@@ -28,7 +28,7 @@ import pandas as pd
 
 from ..errors import BenchError
 from .figures import canonical
-from .records import corrupt_input, read_jsonl_objects, read_run_files, request_steps
+from .records import corrupt_input, read_jsonl_objects, read_run_files
 from .request import RequestRecord
 
 #: config keys that define *what* a run evaluated, apart from the method: runs agreeing on them
@@ -139,6 +139,10 @@ class Run:
     requests: pd.DataFrame
     label: str = ""
     run_id: str = ""
+    #: the request records themselves (the frames flatten away their method counters)
+    records: list[RequestRecord] = field(default_factory=list)
+    #: figures of ``summary.json`` that its records contradict (reported; the records are used)
+    disagreements: list[str] = field(default_factory=list)
 
     @property
     def method(self) -> str:
@@ -151,6 +155,12 @@ class Run:
     @property
     def sample_ids(self) -> set[str]:
         return set(self.samples["sample_id"]) if not self.samples.empty else set()
+
+    def figures(self) -> dict:
+        """Every figure of the run recomputed from its records (as ``summary.json`` computes them)."""
+        from .summary import run_figures
+
+        return run_figures(self.samples, self.requests)
 
     def settings(self) -> tuple:
         """What the run evaluated apart from the method (see :data:`SETTING_KEYS`)."""
@@ -167,6 +177,8 @@ class Sweep:
     rows: pd.DataFrame
     service: pd.DataFrame
     run_id: str = ""
+    #: figures of ``summary.json``'s rows that its served requests contradict (the records are used)
+    disagreements: list[str] = field(default_factory=list)
 
 
 def load_run(path: str | Path) -> Run:
@@ -178,29 +190,96 @@ def load_run(path: str | Path) -> Run:
     summary = canonical(read_json(p / "summary.json")) if (p / "summary.json").exists() else {}
     if not (p / "samples.jsonl").exists():
         raise BenchError(f"{p / 'samples.jsonl'} is missing")
-    samples, _, records, _ = read_run_files(
-        p / "samples.jsonl", p / "requests.jsonl", request_steps(config), corrupt_input
-    )
+    samples, _, records, _ = read_run_files(p / "samples.jsonl", p / "requests.jsonl", config, corrupt_input)
     sdf = pd.DataFrame([s for _, _, s in samples])
-    return Run(p, config, summary, sdf, pd.DataFrame([request_row(r) for r in records]))
+    rdf = pd.DataFrame([request_row(r) for r in records])
+    run = Run(p, config, summary, sdf, rdf, records=records)
+    run.disagreements = summary_disagreements(summary, run.figures())
+    return run
+
+
+def summary_disagreements(summary: dict, figs: dict, what: str = "") -> list[str]:
+    """The scalar figures of a ``summary.json`` (or one of its rows) that differ from the same
+    figures recomputed from the records, as "name: summary X, records Y" (relative tolerance 1e-9:
+    both come from the same records by the same functions when nothing was edited)."""
+    out = []
+    for k, v in figs.items():
+        old = summary.get(k)
+        if k not in summary or not _scalar(v) or not _scalar(old):
+            continue
+        if isinstance(v, float) or isinstance(old, float):
+            same = v is not None and old is not None and not isinstance(old, (str, bool)) and _close(old, v)
+        else:
+            same = old == v
+        if not same:
+            out.append(f"{what}{k}: summary {old!r}, records {v!r}")
+    return out
+
+
+def _close(a, b) -> bool:
+    try:
+        a, b = float(a), float(b)
+    except (TypeError, ValueError):
+        return False
+    return a == b or abs(a - b) <= 1e-9 * max(abs(a), abs(b))
 
 
 def load_sweep(path: str | Path) -> Sweep:
-    """A serve-sweep directory: ``summary.json`` rows and the isolated measurements."""
+    """A serve-sweep directory: its rows recomputed from the served requests (``requests.jsonl``,
+    by the function ``serve-sweep`` writes them with), the isolated measurements, and the summary
+    figures the records contradict. Only a sweep without served requests (written by hand) shows
+    its ``summary.json`` rows as they are, with a disagreement saying so."""
+    from ..serving.metrics import capacity, sweep_rows
+
     p = Path(path)
     config = read_json(p / "config.json")
     summary = read_json(p / "summary.json")
-    if not isinstance(summary.get("rows"), list):
-        raise BenchError(f"{p / 'summary.json'} is corrupt (no rows)")
-    service = []
-    for n, d in _unique_rows(p / "service.jsonl", ("method", "shared_tokens", "trajectory", "step"), "measurement"):
+    if not isinstance(summary.get("rows"), list) or not all(isinstance(r, dict) for r in summary["rows"]):
+        raise BenchError(f"{p / 'summary.json'} is corrupt (its rows are not a list of objects)")
+    service = [
+        request_row(r)
+        for r in _records(p / "service.jsonl", ("method", "shared_tokens", "trajectory", "step"), "measurement")
+    ]
+    served = _records(p / "requests.jsonl", ("method", "shared_tokens", "qps", "trajectory", "step"), "served request")
+    old = [canonical(r) for r in summary["rows"]]
+    if not served:
+        summary["rows"] = old
+        return Sweep(p, config, summary, pd.DataFrame(old), pd.DataFrame(service), disagreements=[
+            "no requests.jsonl: the rows are summary.json's, not recomputed"
+        ])  # fmt: skip
+    rows = sweep_rows(served)
+    written = {(r.get("method"), r.get("shared_tokens"), r.get("qps")): r for r in old}
+    disagreements = []
+    for row in rows:
+        key = (row["method"], row["shared_tokens"], row["qps"])
+        mine = written.pop(key, None)
+        row["rho_target"] = (mine or {}).get("rho_target")
+        what = f"{row['method']} @ {row['shared_tokens']} tokens, QPS {row['qps']:g}: "
+        disagreements += [f"{what}no summary row"] if mine is None else summary_disagreements(mine, row, what)
+    disagreements += [f"{m} @ {s} tokens, QPS {q}: a summary row without served requests" for m, s, q in written]
+    summary = {**summary, "rows": rows, "capacity": capacity(rows)}
+    summary["saturated"] = [
+        {k: r.get(k) for k in ("method", "shared_tokens", "qps", "utilization", "latency_inflation", "drain_ratio")}
+        for r in rows
+        if r.get("saturated")
+    ]
+    return Sweep(p, config, summary, pd.DataFrame(rows), pd.DataFrame(service), disagreements=disagreements)
+
+
+def _records(path: Path, key: tuple[str, ...], what: str) -> list[RequestRecord]:
+    """A sweep's record file (optional) as request records, each carrying the ``key`` fields."""
+    out = []
+    for n, d in _unique_rows(path, key, what):
         try:
-            service.append(request_row(RequestRecord.from_dict(d)))
+            rec = RequestRecord.from_dict(d)
+            need = ("method", "shared_tokens", "qps", *(("arrival_s", "completion_s") if "qps" in key else ()))
+            missing = [k for k in need if (k in key or k.endswith("_s")) and getattr(rec, k) is None]
+            if missing:
+                raise ValueError(f"no {missing[0]}")
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            raise corrupt_input(p / "service.jsonl", n, f"is not a valid request record ({str(exc)[:200]})") from None
-    _unique_rows(p / "requests.jsonl", ("method", "shared_tokens", "qps", "trajectory", "step"), "served request")
-    summary["rows"] = [canonical(r) if isinstance(r, dict) else r for r in summary["rows"]]
-    return Sweep(p, config, summary, pd.DataFrame(summary["rows"]), pd.DataFrame(service))
+            raise corrupt_input(path, n, f"is not a valid request record ({str(exc)[:200]})") from None
+        out.append(rec)
+    return out
 
 
 def _unique_rows(path: Path, key: tuple[str, ...], what: str) -> list[tuple[int, dict]]:
@@ -248,13 +327,15 @@ class Results:
     inputs: dict[str, str] = field(default_factory=dict)
 
     def runs_frame(self) -> pd.DataFrame:
-        """One row per run: identity, settings and the scalar fields of its summary."""
+        """One row per run: identity, settings and its figures recomputed from its records (never
+        copied from ``summary.json``; ``summary_disagrees`` names the summary figures they contradict)."""
         rows = []
         for r in self.runs:
             row = {"run_id": r.run_id, "path": str(r.path), "label": r.label}
             row.update({k: r.config.get(k) for k in ("method", *SETTING_KEYS, "device", "limit", "fidelity")})
             row["method_config"] = json.dumps(r.config.get("method_config"), sort_keys=True)
-            row.update(_flat_summary(r.summary))
+            row.update({k: v for k, v in r.figures().items() if _scalar(v)})
+            row["summary_disagrees"] = "; ".join(r.disagreements) or None
             rows.append(row)
         return pd.DataFrame(rows)
 
@@ -271,17 +352,6 @@ class Results:
 
 def _scalar(v) -> bool:
     return v is None or isinstance(v, (str, int, float, bool))
-
-
-def _flat_summary(summary: dict) -> dict:
-    """Scalar summary fields as ``summary_<key>``, dicts of scalars one level deep as ``summary_<key>_<sub>``."""
-    out = {}
-    for k, v in summary.items():
-        if _scalar(v):
-            out[f"summary_{k}"] = v
-        elif isinstance(v, dict):
-            out.update({f"summary_{k}_{sk}": sv for sk, sv in v.items() if _scalar(sv)})
-    return out
 
 
 def _tagged(pairs: list[tuple[Run, pd.DataFrame]]) -> pd.DataFrame:

@@ -105,7 +105,18 @@ def request_steps(config: dict | None) -> int | None:
     return len(agents) if isinstance(agents, list) and agents else None
 
 
-def read_run_files(samples_path: Path, requests_path: Path, steps: int | None = None, corrupt: Corrupt = _corrupt):
+def sample_judge(config: dict | None) -> Callable[[str | None, str | None], bool] | None:
+    """The scoring rule (``Workload.judge``) of the workload the run ``config`` names, or None when
+    the config names none; an unknown workload is a one-line :class:`BenchError`."""
+    name = (config or {}).get("workload")
+    if name is None:
+        return None
+    from ..workloads import WORKLOADS
+
+    return WORKLOADS.lookup(str(name)).judge
+
+
+def read_run_files(samples_path: Path, requests_path: Path, config: dict | None = None, corrupt: Corrupt = _corrupt):
     """The finished samples and their request records of a run directory, checked line by line:
     the one rule set of every job that opens a run directory, writers (``run``'s resume) and
     readers (``report``, ``compare``, ``ablate``, ``analyze``) alike.
@@ -117,16 +128,19 @@ def read_run_files(samples_path: Path, requests_path: Path, steps: int | None = 
     sample without an id or written twice, request lines of no finished sample followed by finished
     ones (a sample id changed) or of more than one unfinished sample, a finished sample's request
     line that is not a valid ``RequestRecord`` or is written twice, a finished sample with missing
-    request steps (``steps``: how many each sample has, when the config says, see
-    :func:`request_steps`; else steps 0..k-1 without gaps).
+    request steps (how many each sample has, when the ``config`` says, see :func:`request_steps`;
+    else steps 0..k-1 without gaps). What the run ``config`` (its ``config.json``) fixes is checked
+    too: every sample is one of its ``sample_ids`` (when recorded), and its ``correct`` is the
+    workload's scoring of its ``prediction`` against its ``gold`` (re-scored here, not trusted).
     Returns (sample rows, request rows, requests, whether a file must be rewritten without the
     dropped lines); rows are (line number, raw bytes, object).
     """
     samples, torn_s = read_jsonl_objects(samples_path, corrupt)
     done = _finished_samples(samples, samples_path, corrupt)
+    _check_samples(samples, config, samples_path, corrupt)
     lines, torn_r = read_jsonl_objects(requests_path, corrupt)
     kept, records = _finished_requests(lines, done, requests_path, samples_path, corrupt)
-    _check_steps(records, done, steps, samples_path, requests_path, corrupt)
+    _check_steps(records, done, request_steps(config), samples_path, requests_path, corrupt)
     rewrite = torn_s or torn_r or len(kept) != len(lines)
     return samples, kept, records, rewrite
 
@@ -147,6 +161,33 @@ def _finished_samples(samples: list, samples_path: Path, corrupt: Corrupt) -> di
             raise corrupt(samples_path, n, f"repeats sample {sid!r} of line {done[sid]} (two runs wrote at once?)")
         done[sid] = n
     return done
+
+
+def _check_samples(samples: list, config: dict | None, samples_path: Path, corrupt: Corrupt) -> None:
+    """Every sample line is one of the run's samples (``config["sample_ids"]``, when recorded) and
+    its ``correct`` is what the workload's rule says of its ``prediction`` and ``gold``."""
+    ids = (config or {}).get("sample_ids")
+    wanted = set(ids) if isinstance(ids, list) else None
+    judge = sample_judge(config)
+    for n, _, s in samples:
+        sid = s["sample_id"]
+        if wanted is not None and sid not in wanted:
+            raise corrupt(
+                samples_path, n, f"is sample {sid!r}, which is not one of the run's {len(wanted)} samples (config.json)"
+            )
+        if judge is None:
+            continue
+        pred, gold = s.get("prediction"), s.get("gold")
+        for key, v in (("prediction", pred), ("gold", gold)):
+            if v is not None and not isinstance(v, str):
+                raise corrupt(samples_path, n, f"is not a valid sample record ({key} {v!r} is not a string)")
+        if judge(pred, gold) != s["correct"]:
+            raise corrupt(
+                samples_path,
+                n,
+                f"says correct {str(s['correct']).lower()}, but prediction {pred!r} against gold {gold!r} "
+                f"scores {str(not s['correct']).lower()}",
+            )
 
 
 def _finished_requests(
@@ -229,7 +270,7 @@ def check_run_dir(path: str | Path) -> None:
     opening it would), without changing anything: lets a job fail before it loads the model."""
     path = Path(path)
     config = _run_config(path)
-    read_run_files(path / "samples.jsonl", path / "requests.jsonl", request_steps(config))
+    read_run_files(path / "samples.jsonl", path / "requests.jsonl", config)
 
 
 def _run_config(path: Path) -> dict | None:
@@ -244,6 +285,23 @@ def _run_config(path: Path) -> dict | None:
             "use another --output-path"
         )
     return config
+
+
+def _check_resumed_set(samples: list, config: dict, samples_path: Path) -> None:
+    """A resumed run's finished samples are all among the samples it now evaluates (a smaller
+    ``--limit`` than before would leave samples that its summary leaves out and the readers count)."""
+    ids = config.get("sample_ids")
+    if not isinstance(ids, list):
+        return
+    wanted = set(ids)
+    outside = [(n, s["sample_id"]) for n, _, s in samples if s["sample_id"] not in wanted]
+    if outside:
+        n, sid = outside[0]
+        raise BenchError(
+            f"{samples_path} line {n} is sample {sid!r}, outside this run's {len(wanted)} samples "
+            f"({len(outside)} finished samples are; a smaller --limit than before?); nothing was changed "
+            "(rerun with the earlier --limit or use another --output-path)"
+        )
 
 
 def _read_config(path: Path) -> dict | None:
@@ -289,9 +347,8 @@ class RunDir:
                     f"{self.path} holds a run with a different {diff[0]} "
                     f"({old.get(diff[0])!r} vs {config.get(diff[0])!r}); use another --output-path"
                 )
-        samples, requests, self.requests, rewrite = read_run_files(
-            self.samples_path, self.requests_path, request_steps(old)
-        )
+        samples, requests, self.requests, rewrite = read_run_files(self.samples_path, self.requests_path, old)
+        _check_resumed_set(samples, config, self.samples_path)
         self.samples = [s for _, _, s in samples]
         if rewrite:  # drop a torn last line and orphaned request lines; kept lines stay byte-identical
             atomic_write(self.samples_path, b"".join(line for _, line, _ in samples))

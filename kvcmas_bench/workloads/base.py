@@ -241,3 +241,10 @@ class Workload:
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         """(prediction extracted from the final agent's output, whether it is correct)."""
         raise NotImplementedError
+
+    @staticmethod
+    def judge(prediction: str | None, gold: str | None) -> bool:
+        """Whether ``prediction`` is correct for ``gold``: the one rule :meth:`score` applies and the
+        readers apply again to every stored sample (an edited ``correct`` is refused, not counted).
+        An unparsed prediction (None) is never correct."""
+        return prediction is not None and prediction == gold

@@ -148,4 +148,4 @@ class GSM8K(Workload):
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         pred = extract_number(output)
-        return pred, pred is not None and pred == sample.gold
+        return pred, self.judge(pred, sample.gold)

@@ -15,7 +15,7 @@ import re
 import textwrap
 
 from .base import Role, Sample, Workload, indexed_rows, jsonl_rows, load_hub, package_file, register
-from .sandbox import run_check
+from .sandbox import PASSED, run_check
 
 ROLES = (
     Role(
@@ -164,10 +164,18 @@ class HumanEval(Workload):
         return samples
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
-        """(sandbox result: "passed", "timed out" or "failed: ...", passed); None for an empty reply."""
+        """(sandbox verdict, passed); None for an empty reply. The verdict is one of the fixed words
+        of ``sandbox.VERDICTS`` ("passed", "timed out", "failed: <builtin exception name>", "failed:
+        other", ...): nothing the completion chose reaches the record's ``prediction``."""
         if not output.strip():
             return None, False
         m = sample.meta
         code = extract_code(output, m["prompt"], m["entry_point"])
         passed, result = run_check(code, m["test"], m["entry_point"], prompt=m["prompt"], timeout=self.timeout_s)
         return result, passed
+
+    @staticmethod
+    def judge(prediction: str | None, gold: str | None) -> bool:
+        """The prediction is the sandbox's verdict (the code is not run again on read): correct
+        exactly when it is "passed"."""
+        return prediction == PASSED

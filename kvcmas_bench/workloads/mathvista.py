@@ -286,4 +286,4 @@ class MathVista(Workload):
             elif atype == "list" and "[" not in span and "[" in output:
                 value = output
             pred = normalize(value, atype, meta.get("precision"))
-        return pred, pred is not None and pred == sample.gold
+        return pred, self.judge(pred, sample.gold)

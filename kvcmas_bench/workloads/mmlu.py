@@ -146,4 +146,4 @@ class MMLU(Workload):
 
     def score(self, sample: Sample, output: str) -> tuple[str | None, bool]:
         pred = extract_letter(output)
-        return pred, pred == sample.gold
+        return pred, self.judge(pred, sample.gold)

@@ -277,4 +277,4 @@ class VideoMME(Workload):
 
     def score(self, sample, output: str) -> tuple[str | None, bool]:
         pred = extract_letter(output)
-        return pred, pred == sample.gold
+        return pred, self.judge(pred, sample.gold)
