@@ -21,7 +21,7 @@ twice is an error too.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -29,7 +29,7 @@ import pandas as pd
 from ..errors import BenchError
 from .figures import canonical
 from .records import corrupt_input, read_jsonl_objects, read_run_files
-from .request import RequestRecord
+from .request import RequestRecord, request_row
 
 #: config keys that define *what* a run evaluated, apart from the method: runs agreeing on them
 #: evaluate the same prompts (given the same samples), so NonShared is their reference
@@ -48,8 +48,6 @@ SETTING_KEYS = (
 )
 #: the reference method of agreement
 REFERENCE = "nonshared"
-#: request fields kept as columns (scalars); segments become status counts
-_SEG_STATUSES = ("exact", "reused", "corrected", "recomputed")
 
 
 def read_json(path: Path) -> dict:
@@ -97,25 +95,6 @@ def dir_kind(path: str | Path) -> str:
     if "method" in cfg and "workload" in cfg:
         return "run"
     raise BenchError(f"{p}/config.json is not the config of a run or a sweep")
-
-
-def request_row(rec: RequestRecord) -> dict:
-    """One flat row of a request record: scalar fields, plus per-status counts of its shared segments."""
-    d = asdict(rec)
-    segs = d.pop("segments")
-    d.pop("method_stats")
-    shared = [s for s in segs if s["kind"] == "PH"]
-    d["shared_segments"] = len(shared)
-    for status in _SEG_STATUSES:
-        d[f"seg_{status}"] = sum(s["status"] == status for s in shared)
-    d["seg_statuses"] = ",".join(s["status"] for s in shared)
-    # every shared segment with a measured error (a densely prefilled one too: after a corrected
-    # segment it differs from the full dense prefill): the
-    # definition of ``summary.json``'s fidelity.kv_rel_error (``summary.fidelity_figures``)
-    errs = [s["kv_rel_error"] for s in shared if s["kv_rel_error"] is not None]
-    d["seg_kv_rel_error_sum"] = float(sum(errs))
-    d["seg_kv_rel_error_n"] = len(errs)
-    return d
 
 
 def requests_frame(rows: list[dict], path: Path) -> pd.DataFrame:

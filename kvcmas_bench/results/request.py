@@ -210,3 +210,26 @@ def _build(cls, d: dict):
     for name, value in d.items():
         _check_type(cls, name, value)
     return cls(**d)
+
+
+#: segment statuses counted per request in the flat rows (:func:`request_row`)
+_SEG_STATUSES = ("exact", "reused", "corrected", "recomputed")
+
+
+def request_row(rec: RequestRecord) -> dict:
+    """One flat row of a request record: scalar fields, plus per-status counts of its shared segments."""
+    d = asdict(rec)
+    segs = d.pop("segments")
+    d.pop("method_stats")
+    shared = [s for s in segs if s["kind"] == "PH"]
+    d["shared_segments"] = len(shared)
+    for status in _SEG_STATUSES:
+        d[f"seg_{status}"] = sum(s["status"] == status for s in shared)
+    d["seg_statuses"] = ",".join(s["status"] for s in shared)
+    # every shared segment with a measured error (a densely prefilled one too: after a corrected
+    # segment it differs from the full dense prefill): the
+    # definition of ``summary.json``'s fidelity.kv_rel_error (``summary.fidelity_figures``)
+    errs = [s["kv_rel_error"] for s in shared if s["kv_rel_error"] is not None]
+    d["seg_kv_rel_error_sum"] = float(sum(errs))
+    d["seg_kv_rel_error_n"] = len(errs)
+    return d

@@ -17,8 +17,7 @@ import numpy as np
 import pandas as pd
 
 from . import figures
-from .frames import request_row
-from .request import RequestRecord
+from .request import RequestRecord, request_row
 from .stats import percentile
 
 #: what summary.json's figures mean: each figure's own definition (:mod:`.figures`), and the sections
@@ -45,12 +44,12 @@ def records_frame(requests: list[RequestRecord]) -> pd.DataFrame:
 
 
 def flat_frame(requests: list[RequestRecord]) -> pd.DataFrame:
-    """The request records as the flat rows :func:`run_figures` reads (``frames.request_row``)."""
+    """The request records as the flat rows :func:`run_figures` reads (:func:`~kvcmas_bench.results.request.request_row`)."""
     return pd.DataFrame([request_row(r) for r in requests])
 
 
 def run_figures(samples: pd.DataFrame, requests: pd.DataFrame) -> dict:
-    """Every figure of one run from its sample rows and flat request rows (``frames.request_row``):
+    """Every figure of one run from its sample rows and flat request rows (:func:`~kvcmas_bench.results.request.request_row`):
     the one definition behind ``summary.json``, Table 1 and the exported frames (:mod:`.figures`)."""
     out: dict = {"n": len(samples)}
     if samples.empty:
