@@ -41,6 +41,7 @@ from .options import (
     ReportFormat,
     Rounds,
     Topology,
+    UnsafeSandbox,
     Workload,
     Workloads,
     takes,
@@ -131,6 +132,7 @@ def run(
     agents: Agents = None,
     rounds: Rounds = 1,
     calib_samples: CalibSamples = 4,
+    unsafe_sandbox: UnsafeSandbox = False,
     **shared,
 ) -> None:
     """Run one method on one workload and write config/samples/requests/summary into OUTPUT_PATH."""
@@ -405,6 +407,7 @@ def suite_cmd(
     repeats: int = typer.Option(
         1, help="Run every cell N times, repeat r with seed SEED+r (in DIR/repeat-r/); the report adds mean and std."
     ),
+    unsafe_sandbox: UnsafeSandbox = False,
     **shared,
 ) -> None:
     """Run a matrix of methods x workloads (one resumable run directory per cell, the same samples for

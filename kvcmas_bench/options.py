@@ -93,6 +93,14 @@ Fidelity = Annotated[
         "agreement and KL (excluded from timings).",
     ),
 ]
+UnsafeSandbox = Annotated[
+    bool,
+    typer.Option(
+        "--unsafe-sandbox",
+        help="Run HumanEval even on a kernel without Landlock, where the sandbox cannot keep the generated "
+        "code from reading your files.",
+    ),
+]
 Topology = Annotated[str, typer.Option("--topology", help="Agent graph: chain, fan-out, fan-in or loop.")]
 Agents = Annotated[
     int | None,

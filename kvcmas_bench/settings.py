@@ -261,6 +261,8 @@ class EvalSettings(SampleSettings, MethodSettings):
     fidelity: bool = False
     #: held-out samples for calibration
     calib_samples: int = 4
+    #: run HumanEval even where the sandbox cannot keep generated code from reading the user's files
+    unsafe_sandbox: bool = False
 
     def check_eval(self) -> None:
         self.check_samples()

@@ -71,11 +71,14 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def dense_rows(engine, request: Request, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V rows of a full dense forward of the whole prompt, by hand."""
-    ids = request.prompt_ids
-    cache = engine.new_cache(len(ids))
-    engine.run_layers(cache, engine.embed_ids(ids), torch.arange(len(ids)))
-    return cache.k[:, :, start : start + length], cache.v[:, :, start : start + length]
+    """K/V rows of a full dense prefill of the whole prompt by a plain transformers forward (the
+    model's own ``forward`` with its cache: no code of this project), as [layers, heads, rows, dim]."""
+    with torch.no_grad():
+        out = engine.model(input_ids=torch.tensor([request.prompt_ids]), use_cache=True)
+    cache = out.past_key_values
+    k = torch.stack([layer.keys[0, :, start : start + length] for layer in cache.layers])
+    v = torch.stack([layer.values[0, :, start : start + length] for layer in cache.layers])
+    return k, v
 
 
 # ---- pools: V anchors per slot, an entry per consumer ---------------------------------------------

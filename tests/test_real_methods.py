@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from kvcmas_bench.workloads.sandbox import file_reads_confined
+
 from .conftest import run_cli as _run
 
 
@@ -117,6 +119,7 @@ def test_real_model_gsm8k_and_humaneval_two_samples(tmp_path, workload):
                 "48",
                 "-o",
                 str(out),
+                *(["--unsafe-sandbox"] if workload == "humaneval" and not file_reads_confined() else []),
             ]
         )
         == 0

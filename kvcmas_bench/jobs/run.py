@@ -56,6 +56,22 @@ class RunOptions(EvalSettings):
             )
         check_positive(rounds=self.rounds)
         self.check_eval()
+        check_sandbox([self.workload], self.unsafe_sandbox)
+
+
+def check_sandbox(workloads: list[str], unsafe: bool) -> None:
+    """Workloads that execute generated code (HumanEval) run only where the sandbox keeps it from
+    reading the user's files (Landlock, or a switch from root to an unprivileged user), unless
+    ``--unsafe-sandbox`` says to run them anyway."""
+    if unsafe or "humaneval" not in workloads:
+        return
+    from ..workloads.sandbox import file_reads_confined
+
+    if not file_reads_confined():
+        raise BenchError(
+            "this kernel has no Landlock and the HumanEval sandbox cannot switch to an unprivileged user, so "
+            "model-generated code could read your files; pass --unsafe-sandbox to run it anyway"
+        )
 
 
 def select_samples(samples: list, limit: int | None, seed: int) -> list:
@@ -126,10 +142,20 @@ def resolve_options(opts: RunOptions) -> tuple[Workload, MethodSpec]:
     return workload, spec
 
 
-def check_context(opts: RunOptions, workload: Workload, model) -> None:
+def check_model(opts: RunOptions, workload: Workload, spec: MethodSpec, config) -> None:
+    """What depends on the model, checked from its config before the weights load: the method's
+    knobs against its layer count (:meth:`Method.check_model`) and the workflow against its
+    context (:func:`check_context`)."""
+    text = getattr(config, "text_config", None) or config
+    n_layers = getattr(text, "num_hidden_layers", None)
+    if isinstance(n_layers, int):
+        spec().check_model(n_layers)
+    check_context(opts, workload, config)
+
+
+def check_context(opts: RunOptions, workload: Workload, config) -> None:
     """The agent outputs one prompt of the workflow accumulates, plus the agent's own output, must fit
-    the model's context (``max_position_embeddings``); the prompt text comes on top of that."""
-    config = getattr(model, "config", None)
+    the model's context (``max_position_embeddings`` of its ``config``); the prompt text comes on top."""
     limit = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
     if not isinstance(limit, int):
         return
@@ -165,9 +191,9 @@ def prepare(opts: RunOptions) -> Prepared:
         from ..modeling_vlm import load_vlm
 
         lm = load_vlm(opts.model, opts.dtype, str(device))
+        check_model(opts, workload, spec, lm.model.config)
     else:
-        lm = load_model(opts.model, opts.dtype, str(device))
-    check_context(opts, workload, lm.model)
+        lm = load_model(opts.model, opts.dtype, str(device), check=lambda c: check_model(opts, workload, spec, c))
     p = Prepared(workload, spec, samples, calib, lm, Engine(lm.model, lm.tokenizer))
     p.method = spec()
     if p.method.needs_calibration:
@@ -230,6 +256,7 @@ def _run(opts: RunOptions, progress=None) -> dict:
     store = MethodStateStore(out.path)
     if out.samples and p.method.persistent_state():  # methods that learn while running
         UIDS.advance(store.load(len(out.samples), p.method, p.engine.device))
+    out.repair()  # every check passed: only now is anything in the directory changed
     todo = [s for s in p.samples if s.id not in out.done_ids]
     if progress is not None:
         progress.start(total=len(p.samples), done=len(p.samples) - len(todo))

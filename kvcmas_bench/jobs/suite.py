@@ -41,7 +41,7 @@ from ..results.outdir import lock_output_dir
 from ..results.records import write_json
 from ..settings import EvalSettings, cli, comma_items, derive
 from ..workloads import get_workload
-from .run import RunOptions, select_samples
+from .run import RunOptions, check_sandbox, select_samples
 from .run import run as run_job
 
 #: settings a resumed suite directory must share (they change every result)
@@ -127,6 +127,7 @@ def plan_suite(opts: SuiteOptions) -> list[Cell]:
     if not workloads:
         raise BenchError("no workloads given (comma-separated, e.g. mmlu,gsm8k)")
     run_options(opts, Cell(workloads[0], methods[0], 0)).validate()  # job options: limit, token budgets...
+    check_sandbox(workloads, opts.unsafe_sandbox)
     resolve_device(opts.device)
     resolve_dtype(opts.dtype)
     sizes = {}

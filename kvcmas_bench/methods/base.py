@@ -149,6 +149,10 @@ class Method:
         inserted/evicted, ...); the executor records their change over each request."""
         return {}
 
+    def check_model(self, n_layers: int) -> None:
+        """Refuse knobs the model cannot satisfy (a layer index past its ``n_layers``) with an
+        :class:`OptionError`; called once the model's config is read, before its weights load."""
+
     def calibrate(self, observations: list, n_layers: int) -> None:
         """Build offline state from :class:`~kvcmas_bench.calibration.Observation` records."""
 

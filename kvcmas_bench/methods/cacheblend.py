@@ -109,6 +109,11 @@ class CacheBlend(Method):
             rows = torch.cat(keep)
             engine.run_layers(cache, h[:, rows], pos[rows], range(c + 1, L))
 
+    def check_model(self, n_layers: int) -> None:
+        self._check_layer(n_layers)
+
     def _check_layer(self, n_layers: int) -> None:
         if self.check_layer >= n_layers:
-            raise OptionError(f"check_layer {self.check_layer} outside the model's {n_layers} layers")
+            raise OptionError(
+                f"{self.check_layer} is outside the model's {n_layers} layers (0..{n_layers - 1})", knob="check_layer"
+            )

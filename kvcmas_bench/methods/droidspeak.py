@@ -108,6 +108,10 @@ class DroidSpeak(Method):
         cfg["groups"] = [list(g) for g in self.groups]  # JSON-equal, so a resumed run matches
         return cfg
 
+    def check_model(self, n_layers: int) -> None:
+        if self.groups and self.groups[-1][1] > n_layers:
+            raise OptionError(f"layer group {self.groups[-1]} is outside the model's {n_layers} layers", knob="groups")
+
     def calibrate(self, observations: list, n_layers: int) -> None:
         dev = calibration_profile(observations, n_layers)
         self.layer_deviation = tuple(float(x) for x in dev)

@@ -85,6 +85,14 @@ class RelayCaching(Method):
             check(0 <= a < b, "critical", f"must be a layer range [a, b) with 0 <= a < b, got {self.critical}")
             self.critical = (a, b)
 
+    def check_model(self, n_layers: int) -> None:
+        if self.check_layer >= n_layers:
+            raise OptionError(
+                f"{self.check_layer} is outside the model's {n_layers} layers (0..{n_layers - 1})", knob="check_layer"
+            )
+        if self.critical is not None and self.critical[1] > n_layers:
+            raise OptionError(f"{self.critical} is outside the model's {n_layers} layers", knob="critical")
+
     @property
     def entry_layer(self) -> int | None:
         """The layer at which selected tokens enter the range with the source's hidden state."""

@@ -222,6 +222,7 @@ def load_sweep(path: str | Path) -> Sweep:
     served = _records(p / "requests.jsonl", ("method", "shared_tokens", "qps", "trajectory", "step"), "served request")
     old = [canonical(r) for r in summary["rows"]]
     if not served:
+        _check_rows(old, p / "summary.json")
         summary["rows"] = old
         return Sweep(p, config, summary, pd.DataFrame(old), pd.DataFrame(service), disagreements=[
             "no requests.jsonl: the rows are summary.json's, not recomputed"
@@ -243,6 +244,25 @@ def load_sweep(path: str | Path) -> Sweep:
         if r.get("saturated")
     ]
     return Sweep(p, config, summary, pd.DataFrame(rows), pd.DataFrame(service), disagreements=disagreements)
+
+
+#: the sweep row fields that hold text; every other one is a number, a bool or null
+_TEXT_FIELDS = ("method", "utilization_basis")
+
+
+def _check_rows(rows: list[dict], path: Path) -> None:
+    """Rows shown as written (a sweep without served requests): typed as the metrics write them."""
+    for i, row in enumerate(rows, 1):
+        for k, v in row.items():
+            text = k in _TEXT_FIELDS
+            ok = isinstance(v, str) if text else v is None or isinstance(v, (bool, int, float))
+            if k in ("method", "qps", "shared_tokens") and v is None:
+                ok = False
+            if ok and k in ("qps", "shared_tokens") and (isinstance(v, bool) or not 0 <= v < float("inf")):
+                ok = False
+            if not ok:
+                want = "a string" if text else "a number"
+                raise BenchError(f"{path} is corrupt (row {i}: {k} {v!r} is not {want})")
 
 
 def _records(path: Path, key: tuple[str, ...], what: str) -> list[RequestRecord]:

@@ -51,6 +51,10 @@ def atomic_write(path: str | Path, data: str | bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk names the file it could not write
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

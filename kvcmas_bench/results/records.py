@@ -350,10 +350,22 @@ class RunDir:
         samples, requests, self.requests, rewrite = read_run_files(self.samples_path, self.requests_path, old)
         _check_resumed_set(samples, config, self.samples_path)
         self.samples = [s for _, _, s in samples]
-        if rewrite:  # drop a torn last line and orphaned request lines; kept lines stay byte-identical
+        # what a kill cut off (a torn last line, the request lines of the unfinished sample) is
+        # dropped by repair(): after the caller's own checks (the method state), before the first append
+        self._repair = (samples, requests) if rewrite else None
+        self._config = config
+
+    def repair(self) -> None:
+        """Drop what a kill cut off (kept lines stay byte-identical) and write the run's config:
+        the first change to the directory, made once every check has passed."""
+        if self._repair is not None:
+            samples, requests = self._repair
             atomic_write(self.samples_path, b"".join(line for _, line, _ in samples))
             atomic_write(self.requests_path, b"".join(line for _, line, _ in requests))
-        write_json(self.config_path, config)
+            self._repair = None
+        if self._config is not None:
+            write_json(self.config_path, self._config)
+            self._config = None
 
     @property
     def done_ids(self) -> set[str]:
@@ -364,14 +376,21 @@ class RunDir:
         self._finalizer()
 
     def append(self, sample: dict, requests: list[RequestRecord]) -> None:
-        with open(self.requests_path, "a", encoding="utf-8") as f:
-            for r in requests:
-                f.write(json.dumps(r.to_dict()) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        with open(self.samples_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(sample) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """Commit one sample: its request lines, then its sample line (the commit point), each
+        fsync'ed. A failed write (a full disk) is an ``OSError`` naming the file; what it cut off
+        is what a kill cuts off, dropped by the next resume."""
+        self.repair()
+        _append_lines(self.requests_path, [json.dumps(r.to_dict()) + "\n" for r in requests])
+        _append_lines(self.samples_path, [json.dumps(sample) + "\n"])
         self.samples.append(sample)
         self.requests.extend(requests)
+
+
+def _append_lines(path: Path, lines: list[str]) -> None:
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.writelines(lines)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from None

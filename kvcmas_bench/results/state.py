@@ -46,7 +46,19 @@ class MethodStateStore:
 
     # ---- writing ---------------------------------------------------------------------------------
     def save(self, n: int, method, next_uid: int) -> None:
-        """Write the state after ``n`` committed samples (before the n-th sample's records)."""
+        """Write the state after ``n`` committed samples (before the n-th sample's records). A
+        failed write (a full disk) leaves no temporary file behind and raises one
+        :class:`BenchError` naming the directory; the sample is then not committed, so a resumed
+        run redoes it."""
+        try:
+            self._save(n, method, next_uid)
+        except OSError as exc:
+            raise BenchError(
+                f"cannot save the method state in {self.dir}: {exc.strerror or exc}; the last sample was not "
+                "committed (free space and rerun the same command to resume)"
+            ) from None
+
+    def _save(self, n: int, method, next_uid: int) -> None:
         self.tensors.mkdir(parents=True, exist_ok=True)
         self._used = {}
         self._counter = 0
@@ -100,8 +112,12 @@ class MethodStateStore:
             self._counter += 1
             buf = tempfile.NamedTemporaryFile(dir=self.tensors, suffix=".tmp", delete=False)
             buf.close()
-            torch.save(t.detach().cpu().clone(), buf.name)
-            os.replace(buf.name, self.tensors / f"{key}.pt")
+            try:
+                torch.save(t.detach().cpu().clone(), buf.name)
+                os.replace(buf.name, self.tensors / f"{key}.pt")
+            except BaseException:
+                Path(buf.name).unlink(missing_ok=True)
+                raise
         self._used[id(t)] = (key, t)
         return key
 
@@ -119,18 +135,28 @@ class MethodStateStore:
             ) from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise BenchError(f"cannot read {path}: {exc}") from None
-        if body.get("format") != FORMAT or body.get("method") != method.name or body.get("n") != n:
+        if (
+            not isinstance(body, dict)
+            or body.get("format") != FORMAT
+            or body.get("method") != method.name
+            or body.get("n") != n
+            or not isinstance(body.get("next_uid"), int)
+        ):
             raise BenchError(f"{path} does not hold {method.name}'s state after {n} samples")
         self._used = {}
         self._loaded: dict[str, torch.Tensor] = {}
         self._device = torch.device(device)
         try:
             state = self._decode(body["state"])
-        except (KeyError, TypeError, ValueError, OSError, RuntimeError) as exc:
-            raise BenchError(f"cannot restore method state from {path}: {exc}") from None
+            method.load_persistent_state(state)
+        except Exception as exc:  # noqa: BLE001 - any damage to the files (a truncated tensor, a wrong shape)
+            what = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            raise BenchError(
+                f"cannot restore method state from {path} ({type(exc).__name__}{': ' + what if what else ''}); "
+                "its records were not changed (use a new --output-path)"
+            ) from None
         self._known = self._used
-        method.load_persistent_state(state)
-        return int(body["next_uid"])
+        return body["next_uid"]
 
     def _decode(self, obj):
         if isinstance(obj, list):
@@ -178,8 +204,12 @@ def _dataclass(ref: str) -> type:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
