@@ -32,6 +32,7 @@ from .options import (
     EngineArg,
     Fidelity,
     Limit,
+    LogPrompts,
     MaxNewTokens,
     MethodArg,
     Methods,
@@ -42,6 +43,7 @@ from .options import (
     Rounds,
     Topology,
     UnsafeSandbox,
+    Warmup,
     Workload,
     Workloads,
     takes,
@@ -52,10 +54,28 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: readable at 80 columns, nothing truncated, no markup printed
     help="Benchmark cross-agent KV-cache sharing methods on multi-agent workloads.",
 )
 err = Console(stderr=True)
 out = Console()
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .results.provenance import version_line
+
+        out.print(version_line(), highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version (and git commit) and exit."
+    ),
+) -> None:
+    """Benchmark cross-agent KV-cache sharing methods on multi-agent workloads."""
 
 
 class Interrupted(Exception):
@@ -100,6 +120,17 @@ class _Progress:
         self.bar.start()
         self.task = self.bar.add_task("samples", total=total, completed=done, acc="-")
 
+    def note(self, message: str) -> None:
+        """One line about the run before its samples start (on stderr, above the bar)."""
+        err.print(message, highlight=False)
+
+    def resumed(self, samples: list[dict]) -> None:
+        """The samples a resumed run finished before: counted in the accuracy shown."""
+        self.n += len(samples)
+        self.correct += sum(bool(s.get("correct")) for s in samples)
+        if self.n:
+            self.bar.update(self.task, acc=f"{self.correct / self.n:.3f}")
+
     def advance(self, rec: dict) -> None:
         self.n += 1
         self.correct += int(rec["correct"])
@@ -132,6 +163,8 @@ def run(
     agents: Agents = None,
     rounds: Rounds = 1,
     calib_samples: CalibSamples = 4,
+    warmup: Warmup = 0,
+    log_prompts: LogPrompts = False,
     unsafe_sandbox: UnsafeSandbox = False,
     **shared,
 ) -> None:
@@ -326,6 +359,8 @@ def analyze_chain_cmd(
     opts = from_cli(AblateOptions, locals() | shared, kind="chain")
     res = _with_progress(chain_analysis, opts)
     print_chain(res.per_agent, out)
+    for note in res.notes:
+        err.print(f"[yellow]nothing to compare:[/] {note}", highlight=False)
     err.print(f"results in {output_path}/ (chain_per_agent.csv, chain_per_layer.csv, figures/, one run per method)")
     _raise_failed(res.failed, output_path)
 
@@ -370,6 +405,8 @@ def ablate_cmd(
     output_path: OutputPath = None,
     fidelity: Fidelity = True,
     calib_samples: CalibSamples = 4,
+    warmup: Warmup = 0,
+    log_prompts: LogPrompts = False,
     topology: Topology = "chain",
     plots: Plots = True,
     **shared,
@@ -389,6 +426,8 @@ def ablate_cmd(
 
     res = _with_progress(run_ablation, opts)
     print_ablation(res.table, kind, out)
+    for note in res.notes:
+        err.print(f"[yellow]warning:[/] {note}", highlight=False)
     err.print(f"results in {target}/ ({', '.join(p.name for p in res.files)}, figures/, one run per point)")
     _raise_failed(res.failed, target)
 
@@ -402,6 +441,8 @@ def suite_cmd(
     output_path: OutputPath = "runs/suite",
     fidelity: Fidelity = False,
     calib_samples: CalibSamples = 4,
+    warmup: Warmup = 0,
+    log_prompts: LogPrompts = False,
     report_format: ReportFormat = "md,html",
     plots: Plots = True,
     repeats: int = typer.Option(
@@ -545,8 +586,16 @@ def list_engines() -> None:
     t.add_column("name")
     t.add_column("what it is")
     for name, factory in ENGINES.items():
-        t.add_row(name, (factory.__doc__ or "").strip().splitlines()[0] if factory.__doc__ else "")
+        t.add_row(name, _first_sentence(factory.__doc__ or ""))
     out.print(t)
+
+
+def _first_sentence(doc: str) -> str:
+    """The first sentence of a docstring as plain text: its lines joined (a sentence may wrap),
+    reST ``literals`` shown as `literals`."""
+    text = " ".join(doc.split()).replace("``", "`")
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
 
 
 app.command("backends", hidden=True, help="Old name of `engines`.")(list_engines)
@@ -597,6 +646,9 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:  # pragma: no cover
         pass
     warnings.filterwarnings("ignore", module="transformers")
+    from .results import provenance
+
+    provenance.COMMAND_LINE = ["kvcmas-bench", *(sys.argv[1:] if argv is None else argv)]
     cmd = typer.main.get_command(app)
     try:
         rc = cmd.main(args=argv, prog_name="kvcmas-bench", standalone_mode=False)

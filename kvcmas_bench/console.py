@@ -105,6 +105,8 @@ def print_run_summary(summary: dict, console: Console) -> None:
     line = accounting_line(summary.get("accounting") or {})
     if line:
         console.print(line)
+    for w in summary.get("warnings") or []:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
     if "fidelity" in summary:
         f = summary["fidelity"]
         console.print(
@@ -299,6 +301,13 @@ class _CellProgress:
     def start(self, total: int, done: int) -> None:
         self.suite.bar.update(self.task, total=total, completed=done)
         self.suite.bar.advance(self.suite.matrix, done)
+
+    def resumed(self, samples: list[dict]) -> None:
+        """The samples the cell finished before a resume: counted in the accuracy shown."""
+        self.n += len(samples)
+        self.correct += sum(bool(s.get("correct")) for s in samples)
+        if self.n:
+            self.suite.bar.update(self.task, info=f"acc {self.correct / self.n:.3f}")
 
     def advance(self, rec: dict) -> None:
         self.n += 1

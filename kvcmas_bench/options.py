@@ -68,7 +68,11 @@ EngineArg = Annotated[
 # --- samples and workflow
 Seed = Annotated[int, typer.Option("--seed", help="Seed of the sample subset and order (serve-sweep: of the traces).")]
 Limit = Annotated[
-    int | None, typer.Option("--limit", help="Samples per workload (a seeded subset, the same for every method).")
+    int | None,
+    typer.Option(
+        "--limit",
+        help="Samples per workload (a seeded subset, the same for every method); unset: the whole dataset.",
+    ),
 ]
 Workload = Annotated[str, typer.Option("--workload", help="Workload (see `kvcmas-bench workloads`).")]
 Workloads = Annotated[
@@ -92,6 +96,17 @@ Fidelity = Annotated[
         help="Also compute exact dense caches/logits and record relative KV error, first-token top-1 "
         "agreement and KL (excluded from timings).",
     ),
+]
+Warmup = Annotated[
+    int,
+    typer.Option(
+        "--warmup",
+        help="Held-out samples run through the method first (fill online anchor pools); in no figure.",
+    ),
+]
+LogPrompts = Annotated[
+    bool,
+    typer.Option("--log-prompts", help="Write every agent request's rendered prompt text to prompts.jsonl."),
 ]
 UnsafeSandbox = Annotated[
     bool,

@@ -263,8 +263,15 @@ class EvalSettings(SampleSettings, MethodSettings):
     calib_samples: int = 4
     #: run HumanEval even where the sandbox cannot keep generated code from reading the user's files
     unsafe_sandbox: bool = False
+    #: held-out samples run through the method before the measured ones (online state filled),
+    #: excluded from every figure
+    warmup: int = 0
+    #: write every request's rendered prompt text to prompts.jsonl (lm-eval's sample logs)
+    log_prompts: bool = False
 
     def check_eval(self) -> None:
         self.check_samples()
         if self.calib_samples < 1:
             raise BenchError(f"--calib-samples must be a positive integer, got {self.calib_samples}")
+        if self.warmup < 0:
+            raise BenchError(f"--warmup must be a whole number >= 0, got {self.warmup}")

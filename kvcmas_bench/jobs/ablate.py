@@ -122,6 +122,8 @@ class AblateResult:
     failed: dict[str, str] = field(default_factory=dict)
     figures: list = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
+    #: points whose knob could not act (printed; marked in the table, not drawn)
+    notes: list[str] = field(default_factory=list)
 
 
 def _parse_values(kind: str, values: list, method: str | None = None, knob: str | None = None, flag="--values") -> list:
@@ -379,6 +381,7 @@ def ablation_table(out_dir: Path, points: list[Point]) -> pd.DataFrame:
         row.update(agreement(run, reference_for(run, results.runs)))
         row["throughput_tok_s"] = _throughput(run)
         row["gate_accept_share"] = _accept_share(out_dir / p.workload / p.name)
+        row["exercised"] = _exercised(run)
         rows.append(row)
     df = pd.DataFrame(rows)
     if df.empty:
@@ -387,6 +390,18 @@ def ablation_table(out_dir: Path, points: list[Point]) -> pd.DataFrame:
     df["_m"] = df["method"].map(lambda m: order.get(m, len(order)))
     df["_w"] = df["workload"].map({w: i for i, w in enumerate(dict.fromkeys(df["workload"]))})
     return df.sort_values(["_w", "_m"], kind="stable").drop(columns=["_w", "_m"]).reset_index(drop=True)
+
+
+def _exercised(run) -> bool | None:
+    """Whether an online correction method (anchor pools) corrected at least one segment, i.e.
+    whether its knobs could act at this point at all; None for the other methods."""
+    from ..methods import METHODS
+
+    cls = METHODS.get(run.method)
+    if cls is None or not getattr(cls, "learns_online", False):
+        return None
+    r = run.requests
+    return bool(not r.empty and "seg_corrected" in r and r["seg_corrected"].sum() > 0)
 
 
 def _throughput(run) -> float | None:
@@ -429,13 +444,26 @@ def write_outputs(res: AblateResult, kind: str, plots: bool = True) -> None:
         meta = (
             f"{', '.join(sorted({str(m) for m in g['model']}))} on {', '.join(sorted({str(d) for d in g['device']}))}"
         )
+        idle = g["exercised"].eq(False) if "exercised" in g else pd.Series(False, index=g.index)
+        notes = []
+        if idle.any():
+            names = ", ".join(str(x) for x in g.loc[idle, "point"])
+            notes.append(
+                f"not exercised (no segment corrected: the anchor pools never filled; not drawn as results): {names}; "
+                "add --warmup N or raise --limit"
+            )
+            res.notes.append(f"{w}: {notes[-1]}")
         sections.append(
             Section(
-                f"ablate {kind}: {w} ({meta}; n = {int(g['n'].max())})", table_columns(kind, g), g.to_dict("records")
+                f"ablate {kind}: {w} ({meta}; n = {int(g['n'].max())})",
+                table_columns(kind, g),
+                g.to_dict("records"),
+                notes=notes,
             )
         )
-        if not plots:
-            continue
+        if not plots or (idle.any() and not g.loc[~idle, "exercised"].eq(True).any()):
+            continue  # no point of an online method acted: nothing to draw
+        g = g[~idle]
         fig, _ = sweep_figure(g, kind, f"ablate {kind}: {w} ({meta})")
         res.figures.append(save(fig, out / "figures", f"{w}_{kind}", f"{w}: metrics vs {kind}"))
         if kind == "tau":

@@ -179,6 +179,8 @@ class ChainResult:
     table: pd.DataFrame
     failed: dict[str, str] = field(default_factory=dict)
     figures: list = field(default_factory=list)
+    #: what could not be compared (a workload where no method corrected a segment)
+    notes: list[str] = field(default_factory=list)
 
 
 def chain_analysis(opts: AblateOptions, progress=None) -> ChainResult:
@@ -199,6 +201,15 @@ def chain_analysis(opts: AblateOptions, progress=None) -> ChainResult:
             from ..report.plots import save
 
             for w in dict.fromkeys(agents["workload"]):
+                if not agents.loc[agents["workload"] == w, "corrected"].sum():
+                    continue
                 fig, _ = chain_figure(agents[agents["workload"] == w], layers[layers["workload"] == w], w)
                 cr.figures.append(save(fig, out / "figures", f"chain_{w}", f"{w}: chained vs non-chained KV error"))
+        for w in dict.fromkeys(agents["workload"]):
+            if not agents.loc[agents["workload"] == w, "corrected"].sum():
+                cr.notes.append(
+                    f"{w}: no method corrected a single segment (every gated segment fell back densely), so there "
+                    "is no chained vs non-chained error to compare and no figure was drawn; add --warmup N or "
+                    "raise --limit"
+                )
     return cr

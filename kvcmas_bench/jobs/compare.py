@@ -469,9 +469,23 @@ def compare(baseline: str, candidate: str, limits: Limits | None = None) -> Comp
     kb, kc = dir_kind(baseline), dir_kind(candidate)
     if (kb == "sweep") != (kc == "sweep"):
         raise BenchError(f"incomparable: the baseline is a {kb} directory and the candidate a {kc} directory")
-    if kb == "sweep":
-        return compare_sweeps(baseline, candidate, lim)
-    return compare_runs(baseline, candidate, lim)
+    cmp = compare_sweeps(baseline, candidate, lim) if kb == "sweep" else compare_runs(baseline, candidate, lim)
+    same = _sameness(Path(baseline), Path(candidate))
+    if same:
+        cmp.notes.insert(0, same)
+    return cmp
+
+
+def _sameness(a: Path, b: Path) -> str | None:
+    """A note when baseline and candidate are one directory, or hold byte-identical records (a
+    PASS that compared nothing new)."""
+    if a.resolve() == b.resolve():
+        return "baseline and candidate are the same directory: nothing was compared"
+    files = sorted(str(p.relative_to(a)) for p in a.rglob("*.jsonl"))
+    if files and files == sorted(str(p.relative_to(b)) for p in b.rglob("*.jsonl")):
+        if all((a / f).read_bytes() == (b / f).read_bytes() for f in files):
+            return "baseline and candidate hold byte-identical records (a copy?)"
+    return None
 
 
 _MD_HEAD = ["| status | scope | metric | baseline | candidate | change | allowed |", "|---|---|---|---:|---:|---:|---|"]

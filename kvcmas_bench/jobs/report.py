@@ -313,6 +313,14 @@ def document(res: ReportResult) -> Document:
     acc = accounting_section(results)
     sections += ([acc] if acc else []) + sweep_sections(results)
     from ..results.summary import DEFINITIONS as RUN_DEFINITIONS
+    from ..results.summary import accounting, starved_warning
+
+    for r in results.runs:
+        w = starved_warning(accounting(r.records)) if r.records else None
+        if w:
+            intro.append(f"warning: {r.run_id}: {w}")
+        if r.config.get("warmup_samples"):
+            intro.append(f"{r.run_id}: {len(r.config['warmup_samples'])} warm-up samples ran first, in no figure")
 
     intro += [
         f"{r.path}/summary.json disagrees with its records, which are used: {d}"
@@ -370,10 +378,14 @@ def _parquet_safe(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _short_estimate(v) -> str:
-    """``0.833 ±0.152`` (the console's form of a proportion with its SE)."""
+    """``0.833±.152`` (the console's compact form of a proportion with its SE: one unbroken
+    token, so an 80-column table never wraps it)."""
     if not isinstance(v, (tuple, list)):
         return cell(v, "est")
-    return cell(v[0], "est") + ("" if v[1] is None or pd.isna(v[1]) else f" ±{float(v[1]):.3f}")
+    if v[1] is None or pd.isna(v[1]):
+        return cell(v[0], "est")
+    se = f"{float(v[1]):.3f}"
+    return cell(v[0], "est") + "±" + (se[1:] if se.startswith("0.") else se)
 
 
 def console_table1(res: ReportResult, console: Console) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..calibration import auto_tau, collect
 from ..engine import Engine
@@ -104,6 +104,8 @@ class Prepared:
     method: object = None
     chosen_tau: float | None = None
     rss_reset: bool = False
+    #: held-out samples run before the measured ones (``--warmup``), in no figure
+    warm: list = field(default_factory=list)
 
     def flow(self, method, opts: RunOptions, fidelity: bool = False) -> Workflow:
         kw = dict(fidelity=fidelity, topology=opts.topology, agents=opts.agents, rounds=opts.rounds)
@@ -187,6 +189,12 @@ def prepare(opts: RunOptions) -> Prepared:
         calib = calibration_samples(all_samples, {s.id for s in samples}, opts.calib_samples, opts.seed)
         if not calib:
             raise BenchError("no calibration samples left outside the evaluated ones; lower --limit")
+    warm = calibration_samples(all_samples, {s.id for s in samples + calib}, opts.warmup, opts.seed)
+    if len(warm) < opts.warmup:
+        raise BenchError(
+            f"--warmup {opts.warmup}: only {len(warm)} samples left outside the evaluated and calibration ones; "
+            "lower --warmup or --limit"
+        )
     if workload.modality != "text":
         from ..modeling_vlm import load_vlm
 
@@ -194,7 +202,7 @@ def prepare(opts: RunOptions) -> Prepared:
         check_model(opts, workload, spec, lm.model.config)
     else:
         lm = load_model(opts.model, opts.dtype, str(device), check=lambda c: check_model(opts, workload, spec, c))
-    p = Prepared(workload, spec, samples, calib, lm, Engine(lm.model, lm.tokenizer))
+    p = Prepared(workload, spec, samples, calib, lm, Engine(lm.model, lm.tokenizer), warm=warm)
     p.method = spec()
     if p.method.needs_calibration:
         obs = collect(lambda m: p.flow(m, opts), calib, with_reference=p.method.calibration_reference)
@@ -229,6 +237,7 @@ def run_config(opts: RunOptions, p: Prepared, flow: Workflow) -> dict:
         "rounds": opts.rounds,
         "sample_ids": [s.id for s in p.samples],
         "calibration_samples": [s.id for s in p.calib],
+        "warmup_samples": [s.id for s in p.warm] or None,
         "target_reuse": opts.target_reuse,
         "auto_tau": p.chosen_tau,
         "agents": [r.name for r, _ in flow.agents()],
@@ -257,15 +266,27 @@ def _run(opts: RunOptions, progress=None) -> dict:
     if out.samples and p.method.persistent_state():  # methods that learn while running
         UIDS.advance(store.load(len(out.samples), p.method, p.engine.device))
     out.repair()  # every check passed: only now is anything in the directory changed
+    if p.warm and not out.samples:  # a resumed run restored the state its warm-up built
+        warm_up(p, opts, progress)
     todo = [s for s in p.samples if s.id not in out.done_ids]
+    if opts.limit is None and progress is not None and hasattr(progress, "note"):
+        progress.note(
+            f"--limit not set: all {len(p.samples)} samples of {opts.workload}, {len(todo)} left to run "
+            "(the bar estimates the time after the first); pass --limit N for a seeded subset"
+        )
     if progress is not None:
         progress.start(total=len(p.samples), done=len(p.samples) - len(todo))
+        if hasattr(progress, "resumed"):  # the finished samples count in the accuracy shown
+            progress.resumed(out.samples)
     for sample in todo:
-        sample_rec, req_recs = run_one(flow, sample, p.engine)
+        prompts: list | None = [] if opts.log_prompts else None
+        sample_rec, req_recs = run_one(flow, sample, p.engine, prompts)
         n = len(out.samples) + 1
         store.save(n, p.method, UIDS.next)
         out.append(sample_rec, req_recs)  # the commit point
         store.commit(n)
+        if prompts:
+            out.log_prompts(prompts)
         if progress is not None:
             progress.advance(sample_rec)
     wanted = {s.id for s in p.samples}
@@ -284,9 +305,28 @@ def _run(opts: RunOptions, progress=None) -> dict:
     return summary
 
 
-def run_one(flow: Workflow, sample, engine: Engine) -> tuple[dict, list[RequestRecord]]:
-    """Run one sample through the workflow; return its sample record and request records."""
+def warm_up(p: Prepared, opts: RunOptions, progress=None) -> None:
+    """Run the ``--warmup`` samples through the method (no records, no fidelity) so its online state
+    (anchor pools) is filled before the first measured sample, then restart the peak counters."""
+    flow = p.flow(p.method, opts)
+    for i, sample in enumerate(p.warm, 1):
+        if progress is not None and hasattr(progress, "note"):
+            progress.note(f"warm-up sample {i}/{len(p.warm)}")
+        flow.run_sample(sample)
+    p.rss_reset = reset_peaks(p.engine.device)
+
+
+def run_one(flow: Workflow, sample, engine: Engine, prompts: list | None = None) -> tuple[dict, list[RequestRecord]]:
+    """Run one sample through the workflow; return its sample record and request records.
+    ``prompts``: when given, receives one line per request with the prompt text it rendered."""
     sr = flow.run_sample(sample)
+    if prompts is not None:
+        decode = engine.tokenizer.decode
+        prompts += [
+            {"sample_id": sample.id, "step": i, "node": st.node.id, "agent": st.node.role.name,
+             "prompt": decode(st.request.prompt_ids)}
+            for i, st in enumerate(sr.steps)
+        ]  # fmt: skip
     pred, correct = flow.workload.score(sample, sr.final_text)
     reqs = request_records(sr, engine.n_layers, sample_id=sample.id)
     sample_rec = {

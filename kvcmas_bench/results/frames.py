@@ -399,18 +399,20 @@ def label_runs(runs: list[Run]) -> None:
         keys = sorted({k for c in cfgs for k in c if len({json.dumps(x.get(k)) for x in cfgs}) > 1})
         for r, c in zip(group, cfgs):
             r.label = r.method + "".join(f" {k}={_short(c.get(k))}" for k in keys)
-    seen: dict[str, int] = {}
-    for r in runs:
-        base = f"{r.workload}/{r.label}"
-        seen[base] = seen.get(base, 0) + 1
-        r.run_id = base if seen[base] == 1 else f"{base}#{seen[base]}"
+        labels = [r.label for r in group]
+        for r in group:  # nothing in the configs tells them apart: the directory does
+            if labels.count(r.label) > 1:
+                where = f"{r.path.parent.name}/{r.path.name}" if r.path.name == r.method else r.path.name
+                r.label = f"{r.label} ({where})"
 
 
 def _flat_config(r: Run) -> dict:
     mc = {k: v for k, v in (r.config.get("method_config") or {}).items() if k != "name"}
-    for k in ("target_reuse", "auto_tau"):
+    for k in ("target_reuse", "auto_tau", "fidelity"):
         if r.config.get(k) is not None:
             mc[k] = r.config[k]
+    if r.config.get("warmup_samples"):
+        mc["warmup"] = len(r.config["warmup_samples"])
     for k in SETTING_KEYS[1:]:
         mc[f"{k}"] = r.config.get(k)
     return mc

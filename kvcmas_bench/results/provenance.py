@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -52,5 +53,26 @@ def hardware(device: torch.device | str) -> dict:
     return hw
 
 
+#: the command line that started this process's job (set by the CLI; None when called as a library)
+COMMAND_LINE: list[str] | None = None
+
+
+def version_line() -> str:
+    """``kvcmas-bench 0.1.0 (git 1a2b3c4d5e6f)``: the package version and, from a checkout, its commit."""
+    from .. import __version__
+
+    rev = git_revision()
+    return f"kvcmas-bench {__version__}" + (f" (git {rev[:12]})" if rev else "")
+
+
 def provenance(device: torch.device | str) -> dict:
-    return {"versions": versions(), "git_revision": git_revision(), "hardware": hardware(device)}
+    """What every job's ``config.json`` records about how and where it ran."""
+    from .. import __version__
+
+    return {
+        "command_line": shlex.join(COMMAND_LINE) if COMMAND_LINE is not None else None,
+        "kvcmas_bench_version": __version__,
+        "versions": versions(),
+        "git_revision": git_revision(),
+        "hardware": hardware(device),
+    }

@@ -42,6 +42,7 @@ RESUME_KEYS = (
     "n_agents",
     "rounds",
     "target_reuse",
+    "warmup_samples",
 )
 
 
@@ -384,6 +385,12 @@ class RunDir:
         _append_lines(self.samples_path, [json.dumps(sample) + "\n"])
         self.samples.append(sample)
         self.requests.extend(requests)
+
+    def log_prompts(self, rows: list[dict]) -> None:
+        """Append a committed sample's rendered prompts to ``prompts.jsonl`` (``--log-prompts``): a
+        log for people, read by no figure; a kill between the commit and this write loses that
+        sample's lines only."""
+        _append_lines(self.path / "prompts.jsonl", [json.dumps(r) + "\n" for r in rows])
 
 
 def _append_lines(path: Path, lines: list[str]) -> None:

@@ -44,12 +44,12 @@ def records_frame(requests: list[RequestRecord]) -> pd.DataFrame:
 
 
 def flat_frame(requests: list[RequestRecord]) -> pd.DataFrame:
-    """The request records as the flat rows :func:`run_figures` reads (:func:`~kvcmas_bench.results.request.request_row`)."""
+    """The request records as the flat rows :func:`run_figures` reads (``request.request_row``)."""
     return pd.DataFrame([request_row(r) for r in requests])
 
 
 def run_figures(samples: pd.DataFrame, requests: pd.DataFrame) -> dict:
-    """Every figure of one run from its sample rows and flat request rows (:func:`~kvcmas_bench.results.request.request_row`):
+    """Every figure of one run from its sample rows and flat request rows (``request.request_row``):
     the one definition behind ``summary.json``, Table 1 and the exported frames (:mod:`.figures`)."""
     out: dict = {"n": len(samples)}
     if samples.empty:
@@ -76,8 +76,32 @@ def summarize(samples: list[dict], requests: list[RequestRecord], meta: dict) ->
     if fid:
         out["fidelity"] = fid
     out["accounting"] = accounting(requests)
+    warning = starved_warning(out["accounting"])
+    if warning:
+        out["warnings"] = [warning]
     out["definitions"] = DEFINITIONS
     return out
+
+
+#: gate outcomes that more data removes: the pools were still filling
+STARVED = ("no_anchor", "too_few_anchors")
+
+
+def starved_warning(acc: dict) -> str | None:
+    """One line when at least half of the gated segments fell back densely because the online
+    pools held too few anchors yet (a short run, no warm-up): its figures measure little of the
+    method. None otherwise (and for methods without a gate)."""
+    gate = acc.get("gate") or {}
+    total = sum(v for v in gate.values() if isinstance(v, int))
+    starved = sum(gate.get(k, 0) for k in STARVED)
+    if not total or 2 * starved < total:
+        return None
+    parts = ", ".join(f"{k} {gate[k]}" for k in STARVED if gate.get(k))
+    return (
+        f"{starved} of {total} gated segments fell back densely because the anchor pools were still filling "
+        f"({parts}): these figures measure little of the method; add --warmup N (held-out samples fill the "
+        "pools first, in no figure) or raise --limit"
+    )
 
 
 reuse_ratio = figures.reuse_ratio
