@@ -9,5 +9,11 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=runs/ci-regression
 bash scripts/ci_suite.sh "$OUT/suite"
+# every figure the suite's report drew passes the legibility check (report.figcheck); a problem is
+# listed in the report's introduction as "figure NAME: ..."
+if grep -n "^- figure " "$OUT/suite/report/report.md"; then
+    echo "FAIL: a figure of the CI suite's report is not legible (above)" >&2
+    exit 1
+fi
 "$PY" -m kvcmas_bench.cli compare benchmarks/baselines/ci-suite "$OUT/suite" --exact --no-timings \
     --markdown "$OUT/compare.md"

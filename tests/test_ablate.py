@@ -170,8 +170,13 @@ def test_ablation_resumes_without_redoing_finished_points(tiny_model_dir, tmp_pa
 @pytest.mark.parametrize(
     "kind,extra,points,x",
     [
-        ("rank", ["--values", "2,8", "--delta-ranks", "4"], ["kvcmas-r2-4", "kvcmas-r8-4"], ["2/4", "8/4"]),
-        ("agents", ["--values", "2,3", "--methods", "kvcmas"], ["kvcmas-A2", "kvcmas-A3"], [2, 3]),
+        (
+            "rank",
+            ["--values", "2,8", "--delta-ranks", "4", "--warmup", "3"],
+            ["kvcmas-r2-4", "kvcmas-r8-4"],
+            ["2/4", "8/4"],
+        ),
+        ("agents", ["--values", "2,3", "--methods", "kvcmas", "--warmup", "3"], ["kvcmas-A2", "kvcmas-A3"], [2, 3]),
         ("rounds", ["--values", "1,2", "--methods", "fullshared"], ["fullshared-R1", "fullshared-R2"], [1, 2]),
     ],
 )

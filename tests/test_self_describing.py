@@ -109,8 +109,9 @@ def test_the_progress_accuracy_counts_the_samples_finished_before_a_resume():
 def test_runs_nothing_tells_apart_are_labelled_by_their_directory(tmp_path):
     a = make_run(tmp_path / "a" / "kvcmas", "kvcmas", ["A", "B"])
     b = make_run(tmp_path / "b" / "kvcmas", "kvcmas", ["A", "C"])
-    labels = sorted(r.label for r in load_dirs([a, b]).runs)
-    assert labels == ["kvcmas (a/kvcmas)", "kvcmas (b/kvcmas)"]
+    runs = load_dirs([a, b]).runs
+    assert sorted(r.label for r in runs) == ["kvcmas (a/kvcmas)", "kvcmas (b/kvcmas)"]
+    assert sorted(r.run_id for r in runs) == ["mmlu/kvcmas (a/kvcmas)", "mmlu/kvcmas (b/kvcmas)"]
     c = make_run(tmp_path / "c", "kvcmas", ["A", "B"], fidelity=True)
     labels = sorted(r.label for r in load_dirs([a, c]).runs)
     assert labels == ["kvcmas fidelity=False", "kvcmas fidelity=True"]

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ..report.columns import Column  # noqa: E402
-from ..report.plots import COLORS  # noqa: E402
+from ..report.plots import COLORS, wrap  # noqa: E402
 
 METRICS = {
     "accuracy": "accuracy",
@@ -124,7 +124,7 @@ def sweep_figure(df: pd.DataFrame, kind: str, title: str):
         ax.set_ylabel(METRICS.get(metric, metric), fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, frameon=False)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(wrap(title, fig, 9), fontsize=9)
     fig.tight_layout()
     return fig, list(axes)
 
@@ -150,7 +150,7 @@ def pareto_figure(df: pd.DataFrame, title: str):
         ax.set_ylabel(METRICS[metric])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, frameon=False)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(wrap(title, fig, 9), fontsize=9)
     fig.tight_layout()
     return fig, list(axes[0])
 

@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ..report.plots import wrap  # noqa: E402
 from ..results.frames import read_jsonl  # noqa: E402
 from ..results.request import RequestRecord  # noqa: E402
 
@@ -112,6 +113,6 @@ def chain_figure(agents: pd.DataFrame, layers: pd.DataFrame, title: str):
     for a in (ax, bx):
         a.grid(alpha=0.3)
         a.legend(fontsize=7, frameon=False)
-    fig.suptitle(f"{title}: chained vs non-chained correction", fontsize=9)
+    fig.suptitle(wrap(f"{title}: chained vs non-chained correction", fig, 9), fontsize=9)
     fig.tight_layout()
     return fig, (ax, bx)

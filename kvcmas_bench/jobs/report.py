@@ -337,6 +337,7 @@ def document(res: ReportResult) -> Document:
         definitions += [f"{k}: {v}" for k, v in RUN_DEFINITIONS.items()]
     if results.sweeps:
         definitions += [f"serve-sweep {k}: {v}" for k, v in SWEEP_DEFINITIONS.items()]
+    intro += [f"figure {f.name}: {p}" for f in res.figures for p in getattr(f, "problems", [])[:3]]
     return Document("kvcmas-bench report", intro, sections, res.figures, definitions)
 
 

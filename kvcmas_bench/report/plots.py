@@ -13,7 +13,8 @@ on the border (hollow marker) and labelled with its true values. Proportions on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -51,6 +52,9 @@ class Figure:
     caption: str
     png: Path
     svg: Path
+    #: what :func:`~kvcmas_bench.report.figcheck.figure_problems` found when it was saved (the
+    #: report lists them; none is expected)
+    problems: list[str] = field(default_factory=list)
 
 
 def display(label: str) -> str:
@@ -92,14 +96,104 @@ def meta_line(df: pd.DataFrame) -> str:
     return f"{models} on {devices}{ctx}"
 
 
+def wrap(text: str, fig, fontsize: float, chars: int | None = None) -> str:
+    """``text`` wrapped (each of its lines) to ``chars`` characters, by default an estimate of the
+    figure's width at ``fontsize`` (a wide glyph is 0.7 em): no title or subtitle is cut at the edge."""
+    chars = chars or max(20, int(fig.get_figwidth() * 72 / (0.7 * fontsize)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.splitlines())
+
+
+def _fit_title(fig, ax, title: str, fontsize: float = 9) -> None:
+    """The title wrapped to the widest width that the drawn figure holds."""
+    chars = int(fig.get_figwidth() * 72 / (0.55 * fontsize))
+    r = fig.canvas.get_renderer()
+    for _ in range(8):
+        ax.set_title(wrap(title, fig, fontsize, chars), fontsize=fontsize)
+        fig.tight_layout()
+        bb = ax.title.get_window_extent(r)
+        if bb.x0 >= fig.bbox.x0 and bb.x1 <= fig.bbox.x1:
+            return
+        chars = int(chars * 0.9)
+
+
 def _finish(fig, ax, ylabel: str, title: str):
-    """The y label, title, grid and legend every scatter figure of the report shares."""
+    """The y label, title, grid and legend every scatter figure of the report shares: the title
+    wrapped to the figure, the legend below the axes (never over a point or a label), then every
+    point label placed where it overlaps nothing (:func:`place_labels`)."""
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(wrap(ax.get_xlabel(), fig, 10))
     ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=7, frameon=False)
-    fig.tight_layout()
+    handles, _ = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=7, frameon=False)
+    _fit_title(fig, ax, title)
+    place_labels(fig, ax)
     return fig, ax
+
+
+#: label offsets tried around a point, in points (dx, dy, horizontal, vertical alignment): near
+#: spots first, then stacks above and below on either side (a label far from its point gets a
+#: leader line)
+_SPOTS = [
+    (5, 2, "left", "bottom"),
+    (5, -2, "left", "top"),
+    (-5, 2, "right", "bottom"),
+    (-5, -2, "right", "top"),
+    (8, 0, "left", "center"),
+    (-8, 0, "right", "center"),
+    (0, 7, "center", "bottom"),
+    (0, -7, "center", "top"),
+] + [
+    (dx, sign * (2 + 9 * k), ha, "bottom" if sign > 0 else "top")
+    for k in range(1, 8)
+    for sign in (1, -1)
+    for dx, ha in ((5, "left"), (-5, "right"))
+]
+
+
+def place_labels(fig, ax) -> None:
+    """Move each point label (annotation) of ``ax`` to the first spot around its point where it
+    stays inside the axes and overlaps no label placed before it; where none is free, to the spot
+    of least overlap. Points are taken left to right."""
+    from .figcheck import overlap, text_box
+
+    anns = sorted((t for t in ax.texts if t.get_text().strip() and hasattr(t, "xyann")), key=lambda t: t.xy[0])
+    if not anns:
+        return
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    abox = ax.get_window_extent(r)
+    taken = []
+    for ann in anns:
+        best, best_cost = None, None
+        for dx, dy, ha, va in _SPOTS:
+            ann.xyann, ann.xycoords = (dx, dy), ann.xycoords
+            ann.set_ha(ha)
+            ann.set_va(va)
+            bb = text_box(ann, r)
+            outside = max(0.0, abox.x0 - bb.x0) + max(0.0, bb.x1 - abox.x1) + max(0.0, abox.y0 - bb.y0)
+            outside += max(0.0, bb.y1 - abox.y1)
+            cost = 1000 * outside + sum(
+                (min(bb.x1, o.x1) - max(bb.x0, o.x0)) * (min(bb.y1, o.y1) - max(bb.y0, o.y0))
+                for o in taken
+                if overlap(bb, o)
+            )
+            if best_cost is None or cost < best_cost:
+                best, best_cost = (dx, dy, ha, va), cost
+            if cost == 0:
+                break
+        dx, dy, ha, va = best
+        ann.xyann = (dx, dy)
+        ann.set_ha(ha)
+        ann.set_va(va)
+        if abs(dy) > 10:  # far from its point: a leader line says whose label it is
+            lead = {"arrowstyle": "-", "lw": 0.5, "color": "gray", "shrinkA": 0, "shrinkB": 3}
+            text, fontsize, gid = ann.get_text(), ann.get_fontsize(), ann.get_gid()
+            xy = ann.xy
+            ann.remove()
+            ann = ax.annotate(text, xy, textcoords="offset points", xytext=(dx, dy), ha=ha, va=va,
+                              fontsize=fontsize, gid=gid, arrowprops=lead)  # fmt: skip
+        taken.append(text_box(ann, r))
 
 
 def pareto_axes(df: pd.DataFrame, x: str, y: str, title: str):
@@ -117,9 +211,9 @@ def pareto_axes(df: pd.DataFrame, x: str, y: str, title: str):
     else:
         xlim = _frame(xs, xs, 0.2 * max(xs), (0.0, float("inf")))
         ylim = _frame(ys, ys, 0.1, (-0.02, 1.02))
-    order = sorted(range(len(xs)), key=lambda i: xs[i])  # stagger the labels of neighbouring points
-    for rank, i in enumerate(order):
-        _point(ax, pts["label"].iloc[i], xs[i], ys[i], xlim, ylim, 4 + 9 * (rank % 3))
+    ylim = _with_intervals(pts, y, ylim)
+    for i in range(len(xs)):
+        _point(ax, pts["label"].iloc[i], xs[i], ys[i], xlim, ylim)
         if xlim[0] <= xs[i] <= xlim[1]:
             _ci(ax, pts.iloc[i], y, xs[i])
     front = frontier(list(zip(xs, ys)))
@@ -141,6 +235,21 @@ def pareto_axes(df: pd.DataFrame, x: str, y: str, title: str):
     ax.set_ylim(*ylim)
     ax.set_xlabel(X_AXES[x][0])
     return _finish(fig, ax, Y_AXES[y], title)
+
+
+def _with_intervals(pts: pd.DataFrame, y: str, ylim: tuple[float, float]) -> tuple[float, float]:
+    """``ylim`` widened to hold every plotted 95% interval of ``y`` (a margin of 4% of the range
+    around them), within [-0.02, 1.02]: an interval is never cut by the axes."""
+    lo_c, hi_c = f"{y}_ci_low", f"{y}_ci_high"
+    if lo_c not in pts or hi_c not in pts:
+        return ylim
+    lo = pd.to_numeric(pts[lo_c], errors="coerce").dropna()
+    hi = pd.to_numeric(pts[hi_c], errors="coerce").dropna()
+    if lo.empty or hi.empty:
+        return ylim
+    a, b = min(ylim[0], float(lo.min())), max(ylim[1], float(hi.max()))
+    pad = 0.04 * (b - a)
+    return max(-0.02, min(ylim[0], float(lo.min()) - pad)), min(1.02, max(ylim[1], float(hi.max()) + pad))
 
 
 def _shade(ax, bx: list[float], by: list[float], ylim: tuple[float, float]) -> None:
@@ -179,16 +288,7 @@ def _point(ax, label: str, x: float, y: float, xlim, ylim, dy: int = 4) -> None:
         gid=("point:" if inside else "clamped:") + label,
     )
     text = name if inside else f"{name} ({x:.3g}, {y:.3f})"
-    right, top = cx >= xlim[1], cy >= ylim[1]
-    ax.annotate(
-        text,
-        (cx, cy),
-        textcoords="offset points",
-        xytext=(-6 if right else 4, -10 if top else dy),
-        ha="right" if right else "left",
-        fontsize=7,
-        gid="label:" + label,
-    )
+    ax.annotate(text, (cx, cy), textcoords="offset points", xytext=(4, dy), fontsize=7, gid="label:" + label)
 
 
 def _ci(ax, row, y: str, x: float, color: str | None = None) -> None:
@@ -226,18 +326,23 @@ def rho_axes(df: pd.DataFrame, y: str, title: str):
         for label, vx, vy in zip(g["label"], g["reuse_ratio"], g[y]):
             suffix = label.partition(" ")[2]
             if suffix:
-                ax.annotate(suffix, (vx, vy), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                ax.annotate(
+                    suffix, (vx, vy), textcoords="offset points", xytext=(4, 4), fontsize=7, gid=f"label:{label}"
+                )
     ax.set_xlabel("reuse ratio rho (served (token, layer) entries / eligible); bars: 95% Wilson interval")
     return _finish(fig, ax, Y_AXES[y], title)
 
 
 def save(fig, out_dir: Path, name: str, caption: str) -> Figure:
     out_dir.mkdir(parents=True, exist_ok=True)
+    from .figcheck import figure_problems
+
     png, svg = out_dir / f"{name}.png", out_dir / f"{name}.svg"
+    problems = figure_problems(fig)
     fig.savefig(png, dpi=120)
     fig.savefig(svg)
     plt.close(fig)
-    return Figure(name, caption, png, svg)
+    return Figure(name, caption, png, svg, problems)
 
 
 def workload_figures(df: pd.DataFrame, workload: str, out_dir: Path, stem: str | None = None) -> list[Figure]:

@@ -404,6 +404,11 @@ def label_runs(runs: list[Run]) -> None:
             if labels.count(r.label) > 1:
                 where = f"{r.path.parent.name}/{r.path.name}" if r.path.name == r.method else r.path.name
                 r.label = f"{r.label} ({where})"
+    seen: dict[str, int] = {}
+    for r in runs:
+        base = f"{r.workload}/{r.label}"
+        seen[base] = seen.get(base, 0) + 1
+        r.run_id = base if seen[base] == 1 else f"{base}#{seen[base]}"
 
 
 def _flat_config(r: Run) -> dict:
