@@ -346,6 +346,8 @@ def analyze_chain_cmd(
     limit: Limit = 8,
     topology: Topology = "chain",
     output_path: OutputPath = "runs/analyze-chain",
+    calib_samples: CalibSamples = 4,
+    warmup: Warmup = 0,
     plots: Plots = True,
     **shared,
 ) -> None:
@@ -463,6 +465,83 @@ def suite_cmd(
         console_table1(res.report, out)
         err.print(f"report in {res.report.out_dir}/ ({', '.join(p.name for p in res.report.files)}, figures/)")
     _raise_failed(res.failed, output_path, len(res.cells), "cells")
+
+
+class _PlanProgress:
+    """One bar over the whole reproduce plan, weighted by each experiment's estimated seconds."""
+
+    def start(self, total: float) -> None:
+        self.bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+            TimeRemainingColumn(), console=err, transient=False,
+        )  # fmt: skip
+        self.bar.start()
+        self.task = self.bar.add_task("reproduce", total=total)
+
+    def running(self, name: str) -> None:
+        self.bar.update(self.task, description=f"running {name} (log: logs/{name}.log)")
+
+    def advance(self, weight: float, name: str) -> None:
+        self.bar.update(self.task, advance=weight, description=f"finished {name}")
+
+    def stop(self) -> None:
+        if hasattr(self, "bar"):
+            self.bar.stop()
+
+
+@app.command("reproduce")
+@on_interrupt("finished experiments are kept; run the same command again to resume")
+@takes(MODEL_PARAMS)
+def reproduce_cmd(
+    scale: str = typer.Option(
+        "smoke", help="smoke (2-core CPU, < 30 min), small (one GPU, hours) or paper (the paper's settings)."
+    ),
+    claims: str | None = typer.Option(None, help="Claim ids, comma-separated (default: every claim; see --list)."),
+    engine: str = typer.Option(
+        "in-process", "--engine", help="Serving engine of the serve-sweep experiments (in-process, vllm)."
+    ),
+    vlm_model: str | None = typer.Option(
+        None, help="A vision-language model for the VLM experiments (skipped without one)."
+    ),
+    output_path: OutputPath = "runs/reproduce",
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and its estimated cost, run nothing."),
+    list_claims: bool = typer.Option(
+        False, "--list", help="List the claims with their experiment and rule, run nothing."
+    ),
+    **shared,
+) -> None:
+    """Check the KVCMAS paper's claims: run the experiments they need (suite, ablate, analyze,
+    serve-sweep; one subdirectory each, resumable), re-derive every figure from the records, and
+    write DIR/reproduce.md and .html with the paper's value beside ours and a verdict per claim
+    (holds / does not hold / inconclusive / not comparable, with the reason)."""
+    from .jobs.reproduce import ReproduceOptions, reproduce
+    from .reproduce.claims import load_claims
+
+    if list_claims:
+        for c in load_claims():
+            out.print(
+                f"{c.id:<29} {c.experiment:<15} paper {c.paper}; rule {c.rule_text}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+        return
+    opts = from_cli(ReproduceOptions, locals() | shared)
+    progress = _PlanProgress()
+    try:
+        res = reproduce(
+            opts, progress=progress, say=lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)
+        )
+    finally:
+        progress.stop()
+    if opts.dry_run:
+        return
+    counts = ", ".join(f"{v} {n}" for v, n in res.counts().items())
+    out.print(f"{len(res.outcomes)} claims: {counts}", highlight=False)
+    err.print(f"report in {output_path}/ (reproduce.md, reproduce.html, verdicts.csv, verdicts.json)")
+    if res.failed:
+        first, msg = next(iter(res.failed.items()))
+        raise BenchError(f"{len(res.failed)} experiment(s) failed ({first}: {msg}); see {output_path}/logs/")
 
 
 @app.command("report")

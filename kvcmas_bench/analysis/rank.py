@@ -96,7 +96,8 @@ def reconstruction(df: pd.DataFrame, ranks: Sequence[int]) -> pd.DataFrame:
 
 def summary(df: pd.DataFrame, ranks: Sequence[int]) -> pd.DataFrame:
     """One row per (workload, kind, part): effective rank averaged over layers (layers without
-    deviation left out), mean segment length, and the reconstruction error at a few ranks."""
+    deviation left out), mean segment length, the reconstruction error at a few ranks and the
+    share of singular-value energy a rank keeps (``energy_rN``: mean of 1 - err^2)."""
     keys = [k for k in ("workload", "kind", "part") if k in df]
     rows = []
     for key, g in df.groupby(keys, sort=False):
@@ -112,6 +113,8 @@ def summary(df: pd.DataFrame, ranks: Sequence[int]) -> pd.DataFrame:
         }
         for r in ranks:
             row[f"err_r{r}"] = float(g[f"err_r{r}"].mean())
+        for r in ranks:  # the kept energy of each matrix, 1 - err^2, averaged (not 1 - mean(err)^2)
+            row[f"energy_r{r}"] = float((1.0 - g[f"err_r{r}"] ** 2).mean())
         rows.append(row)
     return pd.DataFrame(rows)
 

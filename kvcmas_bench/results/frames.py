@@ -158,6 +158,8 @@ class Sweep:
     run_id: str = ""
     #: figures of ``summary.json``'s rows that its served requests contradict (the records are used)
     disagreements: list[str] = field(default_factory=list)
+    #: the served requests (``requests.jsonl``) as flat rows, the source of the rows
+    requests: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def load_run(path: str | Path) -> Run:
@@ -243,7 +245,10 @@ def load_sweep(path: str | Path) -> Sweep:
         for r in rows
         if r.get("saturated")
     ]
-    return Sweep(p, config, summary, pd.DataFrame(rows), pd.DataFrame(service), disagreements=disagreements)
+    served_rows = pd.DataFrame([request_row(r) for r in served])
+    return Sweep(
+        p, config, summary, pd.DataFrame(rows), pd.DataFrame(service), disagreements=disagreements, requests=served_rows
+    )
 
 
 #: the sweep row fields that hold text; every other one is a number, a bool or null

@@ -93,3 +93,87 @@ def discordant(a: list[bool], b: list[bool]) -> tuple[int, int]:
     if len(a) != len(b):
         raise ValueError("paired outcomes of different lengths")
     return sum(bool(x) and not bool(y) for x, y in zip(a, b)), sum(bool(y) and not bool(x) for x, y in zip(a, b))
+
+
+def binomial_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p)."""
+    if k < 0:
+        return 0.0
+    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(min(k, n) + 1)))
+
+
+def quantile_interval(values: Sequence[float], q: float, level: float = 0.95) -> tuple[float | None, float | None]:
+    """Distribution-free interval of the ``q``-th percentile from order statistics: with B ~
+    Binomial(n, q/100), the lower end is the largest ``x_(l)`` (1-based) with P(B < l) <= (1 - level)/2
+    and the upper end the smallest ``x_(u)`` with P(B < u) >= (1 + level)/2; an end that no order
+    statistic reaches is None (unbounded: too few values for that quantile)."""
+    xs = sorted(float(v) for v in values)
+    n = len(xs)
+    if n == 0:
+        return None, None
+    p, tail = q / 100.0, (1 - level) / 2
+    lo = max((k for k in range(1, n + 1) if binomial_cdf(k - 1, n, p) <= tail), default=None)
+    hi = min((k for k in range(1, n + 1) if binomial_cdf(k - 1, n, p) >= 1 - tail), default=None)
+    return (xs[lo - 1] if lo else None), (xs[hi - 1] if hi else None)
+
+
+def mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float, float] | None:
+    """mean -+ z s / sqrt(n) (s with divisor n - 1); None below two values."""
+    n = len(values)
+    if n < 2:
+        return None
+    xs = np.asarray(values, dtype=float)
+    half = z * float(xs.std(ddof=1)) / math.sqrt(n)
+    m = float(xs.mean())
+    return m - half, m + half
+
+
+def _gamma_p(a: float, x: float) -> float:
+    """Regularized lower incomplete gamma P(a, x) by its series (x < a + 1) or continued fraction."""
+    if x <= 0:
+        return 0.0
+    lg = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1.0 / a
+        k = a
+        while abs(term) > 1e-15 * abs(total):
+            k += 1
+            term *= x / k
+            total += term
+        return total * math.exp(lg)
+    b, c, d = x + 1 - a, 1e300, 1 / (x + 1 - a)
+    h = d
+    for i in range(1, 500):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1 / (d if abs(d) > 1e-300 else 1e-300)
+        c = b + an / c if abs(b + an / c) > 1e-300 else 1e-300
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return 1.0 - math.exp(lg) * h
+
+
+def chi2_quantile(p: float, k: int) -> float:
+    """The ``p`` quantile of the chi-square distribution with ``k`` degrees of freedom (bisection on
+    P(k/2, x/2))."""
+    lo, hi = 0.0, max(1.0, 10.0 * k)
+    while _gamma_p(k / 2, hi / 2) < p:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if _gamma_p(k / 2, mid / 2) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def std_interval(s: float, n: int, level: float = 0.95) -> tuple[float, float] | None:
+    """The chi-square interval of a standard deviation ``s`` from ``n`` values (divisor n - 1):
+    [s sqrt(k / chi2_{(1+level)/2, k}), s sqrt(k / chi2_{(1-level)/2, k})] with k = n - 1."""
+    if n < 2:
+        return None
+    k = n - 1
+    return s * math.sqrt(k / chi2_quantile((1 + level) / 2, k)), s * math.sqrt(k / chi2_quantile((1 - level) / 2, k))

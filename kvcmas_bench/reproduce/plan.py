@@ -1,0 +1,485 @@
+"""The experiments behind the paper's claims, at three scales, each one existing command.
+
+An :class:`Experiment` is one ``kvcmas-bench`` command line (suite, ablate, analyze, serve-sweep)
+that writes one subdirectory of the reproduce directory; ``reproduce`` runs it as a child process
+(so a crash, an out-of-memory kill or a ``kill -9`` ends that experiment only and its own resume
+picks it up) and never re-implements what it measures. The scales:
+
+- ``smoke``: every experiment at the smallest size that still exercises it, on the default model and
+  a 2-core CPU (short token budgets, a few samples, 1K-2K shared tokens); verdicts are mostly
+  inconclusive there: the point is that every claim's pipeline runs end to end.
+- ``small``: sizes at which the statistics can separate methods on one GPU (hundreds of samples,
+  three seeds, 8K shared tokens).
+- ``paper``: the paper's settings (Appendix B: full test splits, three runs, 2K-32K shared tokens,
+  QPS up to 8). Run it with the paper's model (``--model meta-llama/Llama-3.1-8B-Instruct``).
+
+The VLM workloads (MathVista, Video-MME) need a vision-language model and their data; their
+experiments are listed with that reason and skipped unless ``--vlm-model`` names one.
+
+:func:`estimate_cost` sizes each experiment (requests, prefilled and generated tokens, disk) and
+turns tokens into seconds with a per-token cost measured on this device
+(:func:`measure_token_cost`) or, when the model cannot be loaded here (a dry run of the paper's
+8B model on a laptop), a nominal one derived from the parameter count (stated as assumed).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import warnings
+from dataclasses import dataclass, field
+
+SCALES = ("smoke", "small", "paper")
+TEXT_WORKLOADS = ("mmlu", "gsm8k", "humaneval")
+VLM_WORKLOADS = ("mathvista", "videomme")
+#: mean prompt tokens of one agent request per workload (SmolLM2 tokenizer, from the CI baseline
+#: and a 20-sample run; the estimate's only workload constant)
+PROMPT_TOKENS = {"mmlu": 245, "gsm8k": 320, "humaneval": 420, "mathvista": 900, "videomme": 2200}
+AGENTS = 4
+#: bytes written per agent request record (requests.jsonl, with segment records), for the disk estimate
+RECORD_BYTES = 3000
+
+
+@dataclass
+class Experiment:
+    """One command of the plan: ``argv`` after ``kvcmas-bench`` (without ``-o`` and the model
+    flags, which :func:`command` adds), the reader of its results and its size."""
+
+    name: str
+    reader: str
+    argv: list[str]
+    what: str
+    #: why it cannot run here (it is listed, skipped, and its claims are "not comparable")
+    skip: str | None = None
+    requests: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.requests * RECORD_BYTES
+
+
+@dataclass(frozen=True)
+class Sizes:
+    limit: int | None
+    warmup: int
+    calib: int
+    new_tokens: int | None
+    repeats: int
+    ablate_limit: int
+    rank_limit: int
+    chain_limit: int | None
+    workloads: tuple[str, ...]
+    shared: tuple[int, ...]
+    memory_shared: tuple[int, ...]
+    generated: tuple[int, ...]
+    qps: tuple[float, ...]
+    trajectories: int
+    output_tokens: int
+    agents: tuple[int, ...]
+    rounds: tuple[int, ...]
+    scaling_methods: tuple[str, ...]
+    ranks: tuple[int, ...]
+    anchors: tuple[int, ...]
+
+
+ALL_SHARING = ("cacheblend", "droidspeak", "relaycaching", "graphflow", "kvcomm")
+SIZES = {
+    "smoke": Sizes(
+        limit=3,
+        warmup=2,
+        calib=2,
+        new_tokens=16,
+        repeats=3,
+        ablate_limit=2,
+        rank_limit=2,
+        chain_limit=3,
+        workloads=("mmlu",),
+        shared=(1024,),
+        memory_shared=(2048,),
+        generated=(1024,),
+        qps=(0, 8),
+        trajectories=3,
+        output_tokens=8,
+        agents=(2, 4),
+        rounds=(1, 2),
+        scaling_methods=("kvcmas", "cacheblend", "kvcomm"),
+        ranks=(16, 32, 64),
+        anchors=(1, 5, 10, 20),
+    ),
+    "small": Sizes(
+        limit=200,
+        warmup=20,
+        calib=4,
+        new_tokens=None,
+        repeats=3,
+        ablate_limit=100,
+        rank_limit=16,
+        chain_limit=200,
+        workloads=TEXT_WORKLOADS,
+        shared=(2048, 8192),
+        memory_shared=(2048, 8192),
+        generated=(1536,),
+        qps=(0, 1, 2, 4, 8),
+        trajectories=16,
+        output_tokens=128,
+        agents=(2, 4, 8),
+        rounds=(2, 4, 8),
+        scaling_methods=("kvcmas", *ALL_SHARING),
+        ranks=(16, 32, 64),
+        anchors=(1, 2, 5, 10, 20),
+    ),
+    "paper": Sizes(
+        limit=None,
+        warmup=50,
+        calib=4,
+        new_tokens=None,
+        repeats=3,
+        ablate_limit=1000,
+        rank_limit=64,
+        chain_limit=None,
+        workloads=TEXT_WORKLOADS,
+        shared=(2048, 8192, 32768),
+        memory_shared=(2048, 8192, 32768),
+        generated=(384, 1536, 6144),
+        qps=(0, 1, 2, 4, 8),
+        trajectories=32,
+        output_tokens=128,
+        agents=(2, 4, 8),
+        rounds=(2, 4, 8),
+        scaling_methods=("kvcmas", *ALL_SHARING),
+        ranks=(16, 32, 64, 128),
+        anchors=(1, 2, 5, 10, 20),
+    ),
+}
+#: samples per workload of the full test splits (for the paper scale's estimate)
+FULL_SPLIT = {"mmlu": 14042, "gsm8k": 1319, "humaneval": 164, "mathvista": 1000, "videomme": 2700}
+METHODS_ALL = 10
+
+
+def _csv(xs) -> str:
+    return ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in xs)
+
+
+def _budget(z: Sizes) -> list[str]:
+    return ["--max-new-tokens", str(z.new_tokens), "--final-max-new-tokens", str(z.new_tokens)] if z.new_tokens else []
+
+
+def _eval_flags(z: Sizes, limit: int | None) -> list[str]:
+    lim = ["--limit", str(limit)] if limit else []
+    return [*lim, "--warmup", str(z.warmup), "--calib-samples", str(z.calib), *_budget(z)]
+
+
+def _n(z: Sizes, workload: str, limit: int | None) -> int:
+    return min(limit, FULL_SPLIT[workload]) if limit else FULL_SPLIT[workload]
+
+
+def _runs_cost(
+    e: Experiment, z: Sizes, workloads, limit, methods: int, agents=AGENTS, rounds=1, repeats=1, fidelity=False
+):
+    new = z.new_tokens or 128
+    for w in workloads:
+        samples = (_n(z, w, limit) + z.warmup + z.calib) * methods * repeats
+        reqs = samples * agents * rounds
+        e.requests += reqs
+        e.prefill_tokens += reqs * PROMPT_TOKENS[w] * (2 if fidelity else 1)
+        e.decode_tokens += reqs * new
+
+
+def _sweep_cost(e: Experiment, z: Sizes, shared, methods: int, qps_points: int, engine: str, traj=None, out_tok=None):
+    traj = (traj or z.trajectories) + 2  # and the held-out calibration trajectories
+    served = traj * AGENTS * methods * len(shared)
+    factor = qps_points if engine == "vllm" else 1  # the in-process engine measures each request once
+    e.requests += served * factor
+    e.prefill_tokens += sum((s + 200) * traj * AGENTS * methods for s in shared) * factor
+    e.decode_tokens += served * factor * (out_tok or z.output_tokens)
+
+
+def plan(scale: str, engine: str = "in-process", vlm_model: str | None = None) -> list[Experiment]:
+    """Every experiment of ``scale`` (unrun; see :func:`command` for its full command line)."""
+    z = SIZES[scale]
+    wl = _csv(z.workloads)
+    out: list[Experiment] = []
+
+    def add(e: Experiment) -> Experiment:
+        out.append(e)
+        return e
+
+    e = add(
+        Experiment(
+            "table1",
+            "runs",
+            [
+                "suite",
+                "--methods",
+                "all",
+                "--workloads",
+                wl,
+                *_eval_flags(z, z.limit),
+                "--repeats",
+                "3" if scale == "paper" else "1",
+            ],
+            "Table 1: every method on the text workloads (accuracy, latency, TTFT, peak memory)",
+        )
+    )
+    _runs_cost(e, z, z.workloads, z.limit, METHODS_ALL, repeats=3 if scale == "paper" else 1)
+    e = add(
+        Experiment(
+            "seeds",
+            "runs",
+            [
+                "suite",
+                "--methods",
+                "kvcmas",
+                "--workloads",
+                wl,
+                *_eval_flags(z, z.limit),
+                "--repeats",
+                str(z.repeats),
+                "--no-plots",
+            ],
+            "accuracy of KVCMAS over three seeds (Table 5)",
+        )
+    )
+    _runs_cost(e, z, z.workloads, z.limit, 2, repeats=z.repeats)
+    chain_wl = "mmlu" if vlm_model is None else "mmlu,videomme"
+    e = add(
+        Experiment(
+            "chain",
+            "runs",
+            ["analyze", "chain", "--workloads", chain_wl, *_eval_flags(z, z.chain_limit)],
+            "chained vs non-chained KVCMAS on the same samples (Table 8, Figure 3)",
+        )
+    )
+    _runs_cost(e, z, ("mmlu",), z.chain_limit, 2, fidelity=True)
+    e = add(
+        Experiment(
+            "rank",
+            "rank",
+            ["analyze", "rank", "--workloads", wl, "--limit", str(z.rank_limit), *_budget(z)],
+            "effective rank of caches and deltas (Figures 2 and 7)",
+        )
+    )
+    _runs_cost(e, z, z.workloads, z.rank_limit, 1)
+    for kind, values, methods, what in (
+        ("rank", z.ranks, None, "rank ablation r_C = r_D (Figure 13)"),
+        ("anchors", z.anchors, None, "anchor pool size V (Table 13)"),
+        ("agents", z.agents, z.scaling_methods, "number of agents N (Table 14)"),
+        ("rounds", z.rounds, z.scaling_methods, "number of rounds R (Table 15)"),
+    ):
+        extra = ["--methods", _csv(methods)] if methods else []
+        e = add(
+            Experiment(
+                f"ablate-{kind}",
+                "runs",
+                [
+                    "ablate",
+                    kind,
+                    "--values",
+                    _csv(values),
+                    *extra,
+                    "--workloads",
+                    "mmlu",
+                    *_eval_flags(z, z.ablate_limit),
+                ],
+                what,
+            )
+        )
+        n_methods = (len(methods) if methods else 1) * (1 if methods else len(values)) + 1
+        if kind in ("agents", "rounds"):
+            for v in values:
+                _runs_cost(
+                    e,
+                    z,
+                    ("mmlu",),
+                    z.ablate_limit,
+                    len(methods) + 1,
+                    agents=v if kind == "agents" else AGENTS,
+                    rounds=v if kind == "rounds" else 1,
+                )
+        else:
+            _runs_cost(e, z, ("mmlu",), z.ablate_limit, n_methods, fidelity=True)
+    sweep = ["serve-sweep", "--num-trajectories", str(z.trajectories), "--output-tokens", str(z.output_tokens)]
+    if engine != "in-process":
+        sweep += ["--engine", engine]
+    e = add(
+        Experiment(
+            "load",
+            "sweep",
+            [
+                *sweep,
+                "--methods",
+                "nonshared,graphflow,kvcmas,kvcmas-nonchained",
+                "--shared-tokens",
+                _csv(z.shared),
+                "--qps",
+                _csv(z.qps),
+                "--matched-rho",
+                "paper-0.8",
+            ],
+            "TTFT vs QPS at matched rho 0.8 (Figures 5, 6, 8)",
+        )
+    )
+    _sweep_cost(e, z, z.shared, 4, len(z.qps), engine)
+    # single stream: fewer trajectories measure the same per-anchor bytes
+    mem = ["serve-sweep", "--num-trajectories", str(max(2, z.trajectories // 2)), "--output-tokens", "4", *sweep[5:]]
+    e = add(
+        Experiment(
+            "memory",
+            "sweep",
+            [*mem, "--methods", "kvcomm,kvcmas", "--shared-tokens", _csv(z.memory_shared), "--qps", "0"],
+            "single-stream anchor memory, KVComm vs KVCMAS (Table 11)",
+        )
+    )
+    _sweep_cost(e, z, z.memory_shared, 2, 1, engine, max(2, z.trajectories // 2), 4)
+    v20 = max(z.shared) if scale == "smoke" else max(z.memory_shared)
+    e = add(
+        Experiment(
+            "memory-v20",
+            "sweep",
+            [*mem, "--methods", "kvcomm,kvcmas", "--shared-tokens", str(v20), "--qps", "0", "--anchors", "20"],
+            "anchor memory at matched V = 20 (Appendix C.3)",
+        )
+    )
+    _sweep_cost(e, z, (v20,), 2, 1, engine, max(2, z.trajectories // 2), 4)
+    e = add(
+        Experiment(
+            "generated",
+            "sweep",
+            [
+                *sweep,
+                "--methods",
+                "nonshared,kvcmas",
+                "--accumulated",
+                "--shared-tokens",
+                _csv(z.generated),
+                "--qps",
+                _csv(z.qps),
+                "--matched-rho",
+                "paper-0.8",
+            ],
+            "TTFT with shared context generated by the agents (Appendix B.6)",
+        )
+    )
+    _sweep_cost(e, z, z.generated, 2, len(z.qps), engine)
+    cov = add(
+        Experiment(
+            "coverage",
+            "coverage",
+            [
+                "analyze",
+                "coverage",
+                "--workload",
+                "mathvista",
+                "--limit",
+                str(min(z.rank_limit * 4, 64)),
+                "--rho",
+                "0.8",
+            ],
+            "reconstruction coverage of selective recomputation on a VLM workload (Table 2)",
+        )
+    )
+    if vlm_model is None:
+        cov.skip = "needs a vision-language model and the MathVista data (give --vlm-model)"
+    else:
+        cov.argv += ["--model", vlm_model]
+    return out
+
+
+def command(e: Experiment, out_dir: str, model: str | None, device: str, dtype: str, seed: int) -> list[str]:
+    """The experiment's whole ``kvcmas-bench`` argument list."""
+    flags = ["-o", out_dir, "--device", device, "--dtype", dtype, "--seed", str(seed)]
+    if model and "--model" not in e.argv:
+        flags += ["--model", model]
+    return [*e.argv, *flags]
+
+
+@dataclass
+class TokenCost:
+    """Seconds per prefilled and per generated token, and how they were obtained."""
+
+    prefill_s: float
+    decode_s: float
+    basis: str
+    notes: list[str] = field(default_factory=list)
+
+    def seconds(self, e: Experiment) -> float:
+        return e.prefill_tokens * self.prefill_s + e.decode_tokens * self.decode_s
+
+
+def params_from_name(model: str | None) -> float | None:
+    """``meta-llama/Llama-3.1-8B-Instruct`` -> 8e9 (the size in the name), None if it has none."""
+    m = re.search(r"(\d+(?:\.\d+)?)\s*([BM])\b", model or "", re.IGNORECASE)
+    if not m:
+        return None
+    return float(m.group(1)) * (1e9 if m.group(2).upper() == "B" else 1e6)
+
+
+#: an A100 80GB's bf16 dense peak and memory bandwidth, used only when the device is not here
+NOMINAL_GPU = {"flops": 312e12, "mfu": 0.4, "bandwidth": 2.0e12, "name": "A100 80GB (bf16, 40% of peak FLOP/s)"}
+
+
+def nominal_cost(params: float, dtype_bytes: int = 2) -> TokenCost:
+    """Prefill at 2 * params FLOPs per token and 40% of an A100's peak; decode bound by reading the
+    weights once per token (batch 1)."""
+    g = NOMINAL_GPU
+    return TokenCost(
+        2 * params / (g["flops"] * g["mfu"]),
+        params * dtype_bytes / g["bandwidth"],
+        f"assumed, not measured: {params / 1e9:.1f}B parameters on an {g['name']}",
+        ["attention's quadratic cost at long contexts is not modelled"],
+    )
+
+
+def measure_token_cost(model: str | None, device: str, dtype: str, prompt: int = 256, steps: int = 8) -> TokenCost:
+    """Load the model on the device and time one ``prompt``-token prefill and ``steps`` decode steps
+    (after one untimed warm-up pass), CUDA-synchronized."""
+    import torch
+
+    from ..modeling import load_model, resolve_device
+
+    lm = load_model(model, dtype, device)
+    dev = resolve_device(device)
+    ids = torch.randint(10, 1000, (1, prompt), device=dev)
+
+    def sync():
+        if str(dev).startswith("cuda"):
+            torch.cuda.synchronize()
+
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm.model(ids[:, :32])
+        sync()
+        t0 = time.perf_counter()
+        out = lm.model(ids, use_cache=True)
+        sync()
+        t1 = time.perf_counter()
+        past, tok = out.past_key_values, ids[:, -1:]
+        for _ in range(steps):
+            out = lm.model(tok, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        sync()
+        t2 = time.perf_counter()
+    return TokenCost((t1 - t0) / prompt, (t2 - t1) / steps, f"measured on {dev} with {lm.name} ({dtype})")
+
+
+def human_seconds(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.0f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def human_bytes(b: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if b < 1000:
+            return f"{b:.0f} {unit}"
+        b /= 1000
+    return f"{b:.1f} TB"
