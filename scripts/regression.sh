@@ -15,5 +15,7 @@ if grep -n "^- figure " "$OUT/suite/report/report.md"; then
     echo "FAIL: a figure of the CI suite's report is not legible (above)" >&2
     exit 1
 fi
+# the HTML report as a reader opens it: headless Chromium, every image loaded, no sideways scrolling
+PY="$PY" bash scripts/check_html.sh "$OUT/suite/report/report.html"
 "$PY" -m kvcmas_bench.cli compare benchmarks/baselines/ci-suite "$OUT/suite" --exact --no-timings \
     --markdown "$OUT/compare.md"

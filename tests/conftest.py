@@ -124,3 +124,25 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return str(d)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if a job loads a model or a serving engine."""
+    import kvcmas_bench.jobs.sweep as sweep
+    import kvcmas_bench.modeling as modeling
+
+    def boom(*a, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(modeling, "load_model", boom)
+    monkeypatch.setattr(sweep, "get_engine", boom)
+
+
+def one_line(capsys, needle: str) -> str:
+    """The one error line the CLI printed (no traceback), which must contain ``needle``."""
+    err = capsys.readouterr().err
+    got = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(got) == 1 and "Traceback" not in err, err
+    assert got[0].startswith("kvcmas-bench: error: ") and needle in got[0], got[0]
+    return got[0]

@@ -5,6 +5,8 @@ point and interval end lies inside the axes. The check itself is shown to fail w
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
@@ -154,3 +156,43 @@ def test_every_figure_of_a_report_passes_the_check(tmp_path):
     res = build_report(list(m.values()), tmp_path / "rep", ["md"], plots=True)
     assert len(res.figures) >= 6
     assert {f.name: f.problems for f in res.figures if f.problems} == {}
+
+
+def sweep_rows() -> list[dict]:
+    """Serve-sweep rows: nine methods at two lengths and three rates, one saturated at 8 QPS with a
+    TTFT 100 times the rest (an extreme point), two methods tied everywhere; TTFT parts filled."""
+    rows = []
+    for i, m in enumerate(("nonshared", "fullshared", "cacheblend", "droidspeak", "relaycaching", "graphflow",
+                           "kvcomm", "kvcmas", "kvcmas-nonchained")):  # fmt: skip
+        for s in (2048, 8192):
+            for q in (0.0, 2.0, 8.0):
+                base = 0.2 + 0.01 * (i if m != "kvcmas-nonchained" else 7) + s / 1e5
+                sat = m == "nonshared" and q == 8.0
+                t50 = base * (100 if sat else 1 + q / 10)
+                row = {"method": m, "shared_tokens": s, "qps": q, "saturated": sat,
+                       "ttft_p50_s": t50, "ttft_p90_s": 1.5 * t50}  # fmt: skip
+                for st, t in (("p50", t50), ("p90", 1.5 * t50)):
+                    row.update({f"ttft_{st}_service_s": 0.6 * t, f"ttft_{st}_queue_s": 0.4 * t,
+                                f"ttft_{st}_service_shared_dense_s": 0.2 * t,
+                                f"ttft_{st}_service_shared_reuse_s": 0.2 * t,
+                                f"ttft_{st}_service_other_s": 0.2 * t, f"ttft_{st}_queue_dense_s": 0.2 * t,
+                                f"ttft_{st}_queue_other_s": 0.2 * t})  # fmt: skip
+                rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("which", ["ttft_p50", "ttft_p90", "ttft_parts", "chained_ttft_p50"])
+def test_serve_sweep_figures_are_legible(which, tmp_path, monkeypatch):
+    from kvcmas_bench.serving import plots as splots
+
+    kept = []
+    monkeypatch.setattr(splots.plt, "close", kept.append)  # keep each figure to read its geometry
+    note = "SmolLM2-135M-Instruct on cpu, engine in-process; NonShared capacity 1.9 QPS at 2048 tokens"
+    paths = splots.plot_all(sweep_rows(), tmp_path, note=note)
+    monkeypatch.undo()
+    by_name = {Path(p).stem: f for p, f in zip(paths, kept)}
+    fig = by_name[which]
+    try:
+        assert figure_problems(fig) == []
+    finally:
+        plt.close(fig)

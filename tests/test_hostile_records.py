@@ -15,7 +15,7 @@ import pytest
 
 from kvcmas_bench.results.frames import load_dirs
 
-from .conftest import run_cli
+from .conftest import one_line, run_cli
 from .test_integrity import tiny_run
 
 LIMIT = "4"
@@ -116,24 +116,6 @@ def finished(tiny_model_dir, tmp_path_factory) -> Path:
     assert run_cli(tiny_run(tiny_model_dir, out, "--limit", LIMIT)) == 0
     assert len(lines(out / "samples.jsonl")) == 4 and len(lines(out / "requests.jsonl")) == 16
     return out
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    import kvcmas_bench.modeling as modeling
-
-    def boom(*a, **kw):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(modeling, "load_model", boom)
-
-
-def one_line(capsys, needle: str) -> str:
-    err = capsys.readouterr().err
-    got = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(got) == 1 and "Traceback" not in err, err
-    assert got[0].startswith("kvcmas-bench: error: ") and needle in got[0], got[0]
-    return got[0]
 
 
 def numbers(d: Path) -> dict:

@@ -61,19 +61,6 @@ def finished_run(tiny_model_dir, tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Fail the test if a job loads a model or a serving engine."""
-    import kvcmas_bench.jobs.sweep as sweep
-    import kvcmas_bench.modeling as modeling
-
-    def boom(*a, **kw):
-        raise AssertionError("the model was loaded")
-
-    monkeypatch.setattr(modeling, "load_model", boom)
-    monkeypatch.setattr(sweep, "get_engine", boom)
-
-
 def _replace_line(path: Path, n: int, text: bytes) -> None:
     lines = path.read_bytes().splitlines(keepends=True)
     lines[n - 1] = text

@@ -11,16 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import run_cli
+from .conftest import one_line, run_cli
 from .test_integrity import tiny_run
-
-
-def one_line(capsys, needle: str) -> str:
-    err = capsys.readouterr().err
-    got = [ln for ln in err.splitlines() if ln.strip()]
-    assert len(got) == 1 and "Traceback" not in err, err
-    assert got[0].startswith("kvcmas-bench: error: ") and needle in got[0], got[0]
-    return got[0]
 
 
 @pytest.fixture

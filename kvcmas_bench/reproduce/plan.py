@@ -64,6 +64,9 @@ class Experiment:
 @dataclass(frozen=True)
 class Sizes:
     limit: int | None
+    seeds_limit: int | None
+    #: samples per point of the agents / rounds scaling (their requests grow with N and R)
+    scaling_limit: int | None
     warmup: int
     calib: int
     new_tokens: int | None
@@ -91,8 +94,10 @@ SIZES = {
         limit=3,
         warmup=2,
         calib=2,
-        new_tokens=16,
+        new_tokens=8,
         repeats=3,
+        seeds_limit=2,
+        scaling_limit=1,
         ablate_limit=2,
         rank_limit=2,
         chain_limit=3,
@@ -105,12 +110,14 @@ SIZES = {
         output_tokens=8,
         agents=(2, 4),
         rounds=(1, 2),
-        scaling_methods=("kvcmas", "cacheblend", "kvcomm"),
+        scaling_methods=("kvcmas", "cacheblend"),
         ranks=(16, 32, 64),
-        anchors=(1, 5, 10, 20),
+        anchors=(5, 10, 20),
     ),
     "small": Sizes(
         limit=200,
+        seeds_limit=200,
+        scaling_limit=100,
         warmup=20,
         calib=4,
         new_tokens=None,
@@ -133,6 +140,8 @@ SIZES = {
     ),
     "paper": Sizes(
         limit=None,
+        seeds_limit=None,
+        scaling_limit=1000,
         warmup=50,
         calib=4,
         new_tokens=None,
@@ -176,19 +185,22 @@ def _n(z: Sizes, workload: str, limit: int | None) -> int:
     return min(limit, FULL_SPLIT[workload]) if limit else FULL_SPLIT[workload]
 
 
-def _runs_cost(
-    e: Experiment, z: Sizes, workloads, limit, methods: int, agents=AGENTS, rounds=1, repeats=1, fidelity=False
-):
+# fmt: off
+def _runs_cost(e: Experiment, z: Sizes, workloads, limit, methods: int, calibrating: int = 0, agents=AGENTS,
+               rounds=1, repeats=1, fidelity=False) -> None:
+    """Add the requests of ``methods`` runs per workload: measured and warm-up samples for every
+    method, calibration samples for the ``calibrating`` ones (GraphFlow, DroidSpeak, RelayCaching)."""
     new = z.new_tokens or 128
     for w in workloads:
-        samples = (_n(z, w, limit) + z.warmup + z.calib) * methods * repeats
+        samples = ((_n(z, w, limit) + z.warmup) * methods + z.calib * calibrating) * repeats
         reqs = samples * agents * rounds
         e.requests += reqs
         e.prefill_tokens += reqs * PROMPT_TOKENS[w] * (2 if fidelity else 1)
         e.decode_tokens += reqs * new
 
 
-def _sweep_cost(e: Experiment, z: Sizes, shared, methods: int, qps_points: int, engine: str, traj=None, out_tok=None):
+def _sweep_cost(e: Experiment, z: Sizes, shared, methods: int, qps_points: int, engine: str, traj=None,
+                out_tok=None) -> None:
     traj = (traj or z.trajectories) + 2  # and the held-out calibration trajectories
     served = traj * AGENTS * methods * len(shared)
     factor = qps_points if engine == "vllm" else 1  # the in-process engine measures each request once
@@ -201,191 +213,75 @@ def plan(scale: str, engine: str = "in-process", vlm_model: str | None = None) -
     """Every experiment of ``scale`` (unrun; see :func:`command` for its full command line)."""
     z = SIZES[scale]
     wl = _csv(z.workloads)
+    reps = "3" if scale == "paper" else "1"
     out: list[Experiment] = []
 
-    def add(e: Experiment) -> Experiment:
-        out.append(e)
-        return e
+    def add(name: str, reader: str, argv: list[str], what: str) -> Experiment:
+        out.append(Experiment(name, reader, argv, what))
+        return out[-1]
 
-    e = add(
-        Experiment(
-            "table1",
-            "runs",
-            [
-                "suite",
-                "--methods",
-                "all",
-                "--workloads",
-                wl,
-                *_eval_flags(z, z.limit),
-                "--repeats",
-                "3" if scale == "paper" else "1",
-            ],
-            "Table 1: every method on the text workloads (accuracy, latency, TTFT, peak memory)",
-        )
-    )
-    _runs_cost(e, z, z.workloads, z.limit, METHODS_ALL, repeats=3 if scale == "paper" else 1)
-    e = add(
-        Experiment(
-            "seeds",
-            "runs",
-            [
-                "suite",
-                "--methods",
-                "kvcmas",
-                "--workloads",
-                wl,
-                *_eval_flags(z, z.limit),
-                "--repeats",
-                str(z.repeats),
-                "--no-plots",
-            ],
-            "accuracy of KVCMAS over three seeds (Table 5)",
-        )
-    )
-    _runs_cost(e, z, z.workloads, z.limit, 2, repeats=z.repeats)
+    e = add("table1", "runs", ["suite", "--methods", "all", "--workloads", wl, *_eval_flags(z, z.limit),
+                               "--repeats", reps], "Table 1: every method (accuracy, latency, TTFT, peak memory)")
+    _runs_cost(e, z, z.workloads, z.limit, METHODS_ALL, 3, repeats=int(reps))
+    e = add("seeds", "runs", ["suite", "--methods", "kvcmas", "--workloads", wl, *_eval_flags(z, z.seeds_limit),
+                              "--repeats", str(z.repeats), "--no-plots"],
+            "accuracy of KVCMAS over three seeds (Table 5)")
+    _runs_cost(e, z, z.workloads, z.seeds_limit, 2, repeats=z.repeats)
     chain_wl = "mmlu" if vlm_model is None else "mmlu,videomme"
-    e = add(
-        Experiment(
-            "chain",
-            "runs",
-            ["analyze", "chain", "--workloads", chain_wl, *_eval_flags(z, z.chain_limit)],
-            "chained vs non-chained KVCMAS on the same samples (Table 8, Figure 3)",
-        )
-    )
+    e = add("chain", "runs", ["analyze", "chain", "--workloads", chain_wl, *_eval_flags(z, z.chain_limit)],
+            "chained vs non-chained KVCMAS on the same samples (Table 8, Figure 3)")
     _runs_cost(e, z, ("mmlu",), z.chain_limit, 2, fidelity=True)
-    e = add(
-        Experiment(
-            "rank",
-            "rank",
-            ["analyze", "rank", "--workloads", wl, "--limit", str(z.rank_limit), *_budget(z)],
-            "effective rank of caches and deltas (Figures 2 and 7)",
-        )
-    )
+    e = add("rank", "rank", ["analyze", "rank", "--workloads", wl, "--limit", str(z.rank_limit), *_budget(z)],
+            "effective rank of caches and deltas (Figures 2 and 7)")
     _runs_cost(e, z, z.workloads, z.rank_limit, 1)
-    for kind, values, methods, what in (
-        ("rank", z.ranks, None, "rank ablation r_C = r_D (Figure 13)"),
-        ("anchors", z.anchors, None, "anchor pool size V (Table 13)"),
-        ("agents", z.agents, z.scaling_methods, "number of agents N (Table 14)"),
-        ("rounds", z.rounds, z.scaling_methods, "number of rounds R (Table 15)"),
+    for kind, values, what in (
+        ("rank", z.ranks, "rank ablation r_C = r_D (Figure 13)"),
+        ("anchors", z.anchors, "anchor pool size V (Table 13)"),
     ):
-        extra = ["--methods", _csv(methods)] if methods else []
-        e = add(
-            Experiment(
-                f"ablate-{kind}",
-                "runs",
-                [
-                    "ablate",
-                    kind,
-                    "--values",
-                    _csv(values),
-                    *extra,
-                    "--workloads",
-                    "mmlu",
-                    *_eval_flags(z, z.ablate_limit),
-                ],
-                what,
-            )
-        )
-        n_methods = (len(methods) if methods else 1) * (1 if methods else len(values)) + 1
-        if kind in ("agents", "rounds"):
-            for v in values:
-                _runs_cost(
-                    e,
-                    z,
-                    ("mmlu",),
-                    z.ablate_limit,
-                    len(methods) + 1,
-                    agents=v if kind == "agents" else AGENTS,
-                    rounds=v if kind == "rounds" else 1,
-                )
-        else:
-            _runs_cost(e, z, ("mmlu",), z.ablate_limit, n_methods, fidelity=True)
+        e = add(f"ablate-{kind}", "runs", ["ablate", kind, "--values", _csv(values), "--workloads", "mmlu",
+                                           *_eval_flags(z, z.ablate_limit)], what)
+        _runs_cost(e, z, ("mmlu",), z.ablate_limit, len(values) + 1, fidelity=True)
+    for kind, values, what in (
+        ("agents", z.agents, "number of agents N (Table 14)"),
+        ("rounds", z.rounds, "number of rounds R (Table 15)"),
+    ):
+        e = add(f"ablate-{kind}", "runs", ["ablate", kind, "--values", _csv(values), "--methods",
+                                           _csv(z.scaling_methods), "--workloads", "mmlu",
+                                           *_eval_flags(z, z.scaling_limit)], what)
+        for v in values:
+            _runs_cost(e, z, ("mmlu",), z.scaling_limit, len(z.scaling_methods) + 1, fidelity=True,
+                       agents=v if kind == "agents" else AGENTS, rounds=v if kind == "rounds" else 1)
     sweep = ["serve-sweep", "--num-trajectories", str(z.trajectories), "--output-tokens", str(z.output_tokens)]
-    if engine != "in-process":
-        sweep += ["--engine", engine]
-    e = add(
-        Experiment(
-            "load",
-            "sweep",
-            [
-                *sweep,
-                "--methods",
-                "nonshared,graphflow,kvcmas,kvcmas-nonchained",
-                "--shared-tokens",
-                _csv(z.shared),
-                "--qps",
-                _csv(z.qps),
-                "--matched-rho",
-                "paper-0.8",
-            ],
-            "TTFT vs QPS at matched rho 0.8 (Figures 5, 6, 8)",
-        )
-    )
+    engine_flags = ["--engine", engine] if engine != "in-process" else []
+    e = add("load", "sweep", [*sweep, *engine_flags, "--methods", "nonshared,graphflow,kvcmas,kvcmas-nonchained",
+                              "--shared-tokens", _csv(z.shared), "--qps", _csv(z.qps), "--matched-rho", "paper-0.8"],
+            "TTFT vs QPS at matched rho 0.8 (Figures 5, 6, 8)")
     _sweep_cost(e, z, z.shared, 4, len(z.qps), engine)
-    # single stream: fewer trajectories measure the same per-anchor bytes
-    mem = ["serve-sweep", "--num-trajectories", str(max(2, z.trajectories // 2)), "--output-tokens", "4", *sweep[5:]]
-    e = add(
-        Experiment(
-            "memory",
-            "sweep",
-            [*mem, "--methods", "kvcomm,kvcmas", "--shared-tokens", _csv(z.memory_shared), "--qps", "0"],
-            "single-stream anchor memory, KVComm vs KVCMAS (Table 11)",
-        )
-    )
-    _sweep_cost(e, z, z.memory_shared, 2, 1, engine, max(2, z.trajectories // 2), 4)
+    # single stream: fewer trajectories and output tokens measure the same anchor bytes
+    mem_traj = max(2, z.trajectories // 2)
+    mem = ["serve-sweep", "--num-trajectories", str(mem_traj), "--output-tokens", "4", *engine_flags,
+           "--methods", "kvcomm,kvcmas", "--qps", "0"]
+    e = add("memory", "sweep", [*mem, "--shared-tokens", _csv(z.memory_shared)],
+            "single-stream anchor memory, KVComm vs KVCMAS (Table 11)")
+    _sweep_cost(e, z, z.memory_shared, 2, 1, engine, mem_traj, 4)
     v20 = max(z.shared) if scale == "smoke" else max(z.memory_shared)
-    e = add(
-        Experiment(
-            "memory-v20",
-            "sweep",
-            [*mem, "--methods", "kvcomm,kvcmas", "--shared-tokens", str(v20), "--qps", "0", "--anchors", "20"],
-            "anchor memory at matched V = 20 (Appendix C.3)",
-        )
-    )
-    _sweep_cost(e, z, (v20,), 2, 1, engine, max(2, z.trajectories // 2), 4)
-    e = add(
-        Experiment(
-            "generated",
-            "sweep",
-            [
-                *sweep,
-                "--methods",
-                "nonshared,kvcmas",
-                "--accumulated",
-                "--shared-tokens",
-                _csv(z.generated),
-                "--qps",
-                _csv(z.qps),
-                "--matched-rho",
-                "paper-0.8",
-            ],
-            "TTFT with shared context generated by the agents (Appendix B.6)",
-        )
-    )
+    e = add("memory-v20", "sweep", [*mem, "--shared-tokens", str(v20), "--anchors", "20"],
+            "anchor memory at matched V = 20 (Appendix C.3)")
+    _sweep_cost(e, z, (v20,), 2, 1, engine, mem_traj, 4)
+    e = add("generated", "sweep", [*sweep, *engine_flags, "--methods", "nonshared,kvcmas", "--accumulated",
+                                   "--shared-tokens", _csv(z.generated), "--qps", _csv(z.qps),
+                                   "--matched-rho", "paper-0.8"],
+            "TTFT with shared context generated by the agents (Appendix B.6)")
     _sweep_cost(e, z, z.generated, 2, len(z.qps), engine)
-    cov = add(
-        Experiment(
-            "coverage",
-            "coverage",
-            [
-                "analyze",
-                "coverage",
-                "--workload",
-                "mathvista",
-                "--limit",
-                str(min(z.rank_limit * 4, 64)),
-                "--rho",
-                "0.8",
-            ],
-            "reconstruction coverage of selective recomputation on a VLM workload (Table 2)",
-        )
-    )
+    cov = add("coverage", "coverage", ["analyze", "coverage", "--workload", "mathvista", "--limit",
+                                       str(min(z.rank_limit * 4, 64)), "--rho", "0.8"],
+              "reconstruction coverage of selective recomputation on a VLM workload (Table 2)")
     if vlm_model is None:
         cov.skip = "needs a vision-language model and the MathVista data (give --vlm-model)"
     else:
         cov.argv += ["--model", vlm_model]
     return out
+# fmt: on
 
 
 def command(e: Experiment, out_dir: str, model: str | None, device: str, dtype: str, seed: int) -> list[str]:
@@ -443,6 +339,18 @@ def measure_token_cost(model: str | None, device: str, dtype: str, prompt: int =
     lm = load_model(model, dtype, device)
     dev = resolve_device(device)
     ids = torch.randint(10, 1000, (1, prompt), device=dev)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the deprecation notes of the plain forward calls below
+    try:
+        return _time_passes(lm, ids, dev, steps, prompt, dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _time_passes(lm, ids, dev, steps: int, prompt: int, dtype: str) -> TokenCost:
+    import torch
 
     def sync():
         if str(dev).startswith("cuda"):

@@ -273,7 +273,7 @@ def _dupes(rows: pd.DataFrame) -> str:
 
 
 def _value(rule, a: Estimate) -> Verdict:
-    return _threshold(rule, a, [], "value")
+    return _threshold(rule, a, [], "")
 
 
 def _threshold(rule, est: Estimate, used, what: str) -> Verdict:
@@ -283,10 +283,10 @@ def _threshold(rule, est: Estimate, used, what: str) -> Verdict:
         v = judge(est, lambda x: lo <= x <= hi)
         if est.bounded and v == FAILS and est.low <= hi and est.high >= lo:
             v = INCONCLUSIVE  # the interval reaches into [lo, hi] without lying inside it
-        return Verdict(v, est.value, est.low, est.high, est.n, _why(v, est, f"{what} in [{lo:g}, {hi:g}]"), used)
+        return Verdict(v, est.value, est.low, est.high, est.n, _why(v, est, f"{what} in [{lo:g}, {hi:g}]".strip()), used)
     op, t = rule["op"], float(rule["value"])
     v = judge(est, lambda x: OPS[op](x, t))
-    return Verdict(v, est.value, est.low, est.high, est.n, _why(v, est, f"{what} {op} {t:g}"), used)
+    return Verdict(v, est.value, est.low, est.high, est.n, _why(v, est, f"{what} {op} {t:g}".strip()), used)
 
 
 def _why(v: str, est: Estimate, wanted: str) -> str:
@@ -294,7 +294,9 @@ def _why(v: str, est: Estimate, wanted: str) -> str:
     if v == INCONCLUSIVE:
         return f"{shown}: the 95% interval straddles {wanted}"
     extra = "" if est.bounded else " (no interval: judged on the value alone)"
-    return f"{shown} {'is' if v == HOLDS else 'is not'} {wanted}{extra}"
+    verb = ("is" if v == HOLDS else "is not") if wanted.startswith(("in ", "ratio", "difference")) else ""
+    verb = verb or ("satisfies" if v == HOLDS else "fails")
+    return f"{shown} {verb} {wanted}{extra}"
 
 
 def _mcnemar(rule, sa: Mapping, sb: Mapping, paired: pd.DataFrame | None, used) -> Verdict:
