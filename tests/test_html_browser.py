@@ -65,3 +65,23 @@ def test_a_broken_image_and_a_wide_block_are_reported(tmp_path):
     problems = check_html.check(page, 1280)
     assert any("did not load" in p and "missing" in p for p in problems)
     assert any("wider than a 1280 px window" in p for p in problems)
+
+
+def test_the_reproduce_report_in_a_browser(tmp_path):
+    """reproduce.html with every claim (long reasons, the paper's words) and a figure."""
+    from kvcmas_bench.jobs import reproduce as job
+    from kvcmas_bench.reproduce.claims import load_claims
+    from kvcmas_bench.reproduce.plan import plan
+    from kvcmas_bench.reproduce.rules import Verdict
+
+    exps = plan("smoke")
+    (tmp_path / "rank" / "figures").mkdir(parents=True)
+    (tmp_path / "x").mkdir()
+    _report(tmp_path / "x")  # for its figure
+    (tmp_path / "x" / "figures" / "f.png").rename(tmp_path / "rank" / "figures" / "rank_mmlu.png")
+    res = job.ReproduceResult(tmp_path, exps)
+    why = "point shared=max,qps=max: inconclusive (2.4 [0, inf]: the 95% interval straddles ratio >= 2); " * 3
+    res.outcomes = [job.Outcome(c, Verdict("inconclusive", 2.4, 0.0, float("inf"), 12, why)) for c in load_claims()]
+    files = job.write_report(res, tmp_path, job.ReproduceOptions(output_path=str(tmp_path)))
+    page = next(f for f in files if f.name == "reproduce.html")
+    assert check_html.check(page, 1280, tmp_path / "shot.png") == []

@@ -319,3 +319,14 @@ def test_interval_helpers_against_tables():
     assert chi2_quantile(0.025, 10) == pytest.approx(3.247, abs=1e-3)
     lo, hi = std_interval(1.0, 3)  # sqrt(2 / 7.378), sqrt(2 / 0.0506)
     assert lo == pytest.approx(0.5207, abs=1e-4) and hi == pytest.approx(6.285, abs=1e-3)
+
+
+def test_not_comparable_names_what_was_not_measured_and_what_was():
+    rule = {**RATIO, "figure": "method_state_peak_bytes", "point": "shared=8192,qps=0", "a": "kvcomm"}
+    f = frame(fact("kvcomm", 5.0, figure="method_state_peak_bytes", point="shared=2048,qps=0"),
+              fact("kvcmas", 1.0, figure="method_state_peak_bytes", point="shared=2048,qps=0"))  # fmt: skip
+    v = evaluate(rule, f)
+    assert v.verdict == NOT_COMPARABLE
+    assert v.reason == "point shared=8192,qps=0 not measured in e (measured: shared=2048,qps=0)"
+    v = evaluate({**RATIO, "experiment": "elsewhere"}, f)
+    assert v.reason == "nothing measured in elsewhere"

@@ -292,10 +292,13 @@ def verdict_rows(res: ReproduceResult) -> list[dict]:
     for o in res.outcomes:
         c, v = o.claim, o.verdict
         interval = f"[{_fmt(v.low)}, {_fmt(v.high)}]" if v.low is not None and v.high is not None else ""
+        ours = _fmt(v.value)
+        if c.rule["form"] == "extreme" and v.value is not None:
+            ours = f"{int(v.value)} of {v.n}"  # groups where it is the extreme, of those measured
         setting = ", ".join(f"{k} {x}" for k, x in c.setting.items())
         rows.append({
             "claim": c.id, "source": c.source, "paper": c.paper, "paper_setting": setting,
-            "ours": _fmt(v.value), "interval": interval, "n": v.n, "verdict": v.verdict,
+            "ours": ours, "interval": interval, "n": v.n, "verdict": v.verdict,
             "reason": v.reason, "rule": c.rule_text, "words": c.words, "note": c.note,
             "experiment": c.experiment,
         })  # fmt: skip

@@ -206,9 +206,7 @@ def evaluate(rule: Mapping, facts: pd.DataFrame, paired: pd.DataFrame | None = N
     sa = operand(rule, "a")
     a_rows = select(facts, sa)
     if a_rows.empty:
-        return Verdict(
-            NOT_COMPARABLE, reason=f"no {sa.get('figure')} for {_label(sa) or 'a'} in {sa.get('experiment')}"
-        )
+        return Verdict(NOT_COMPARABLE, reason=missing(facts, sa))
     over = rule.get("over") or _varying(a_rows)
     outcomes = []
     for key, ga in _groups(a_rows, over).items():
@@ -238,9 +236,7 @@ def _one(rule, form, ga: pd.DataFrame, facts, paired, over, key) -> Verdict:
         sb[over] = key  # b is read in the same group as a
     gb = select(facts, sb)
     if gb.empty:
-        return Verdict(
-            NOT_COMPARABLE, reason=f"no {sb.get('figure')} for {_label(sb) or 'b'} in {sb.get('experiment')}"
-        )
+        return Verdict(NOT_COMPARABLE, reason=missing(facts, sb))
     if len(gb) > 1:
         return Verdict(NOT_COMPARABLE, reason=f"{len(gb)} facts match operand b ({_dupes(gb)}); the rule is ambiguous")
     b = estimate(gb.iloc[0])
@@ -267,6 +263,23 @@ def _one(rule, form, ga: pd.DataFrame, facts, paired, over, key) -> Verdict:
     return Verdict(v, d.value, d.low, d.high, d.n, reason, used)
 
 
+def missing(facts: pd.DataFrame, sel: Mapping) -> str:
+    """Why ``sel`` matches no fact: the first selector whose value was not measured, with the values
+    that were (``point shared=8192,qps=0 not measured in memory (measured: shared=2048,qps=0)``)."""
+    where = f"in {sel.get('experiment')}"
+    if facts is None or facts.empty or select(facts, {"experiment": sel.get("experiment")}).empty:
+        return f"nothing measured {where}"
+    for key in ("point", "workload", "method", "figure"):
+        if key not in sel:
+            continue
+        rest = select(facts, {k: v for k, v in sel.items() if k != key})
+        if not rest.empty:
+            wanted = sel[key] if not isinstance(sel[key], (list, tuple)) else ", ".join(map(str, sel[key]))
+            seen = ", ".join(sorted({str(x) for x in rest[key]})[:8]) or "none"
+            return f"{key} {wanted or '(none)'} not measured {where} (measured: {seen})"
+    return f"no {sel.get('figure')} for {_label(sel) or 'the operand'} {where}"
+
+
 def _dupes(rows: pd.DataFrame) -> str:
     cols = [c for c in ("workload", "method", "point", "repeat") if c in rows and rows[c].nunique() > 1]
     return ", ".join(cols) or "identical selectors"
@@ -283,7 +296,8 @@ def _threshold(rule, est: Estimate, used, what: str) -> Verdict:
         v = judge(est, lambda x: lo <= x <= hi)
         if est.bounded and v == FAILS and est.low <= hi and est.high >= lo:
             v = INCONCLUSIVE  # the interval reaches into [lo, hi] without lying inside it
-        return Verdict(v, est.value, est.low, est.high, est.n, _why(v, est, f"{what} in [{lo:g}, {hi:g}]".strip()), used)
+        why = _why(v, est, f"{what} in [{lo:g}, {hi:g}]".strip())
+        return Verdict(v, est.value, est.low, est.high, est.n, why, used)
     op, t = rule["op"], float(rule["value"])
     v = judge(est, lambda x: OPS[op](x, t))
     return Verdict(v, est.value, est.low, est.high, est.n, _why(v, est, f"{what} {op} {t:g}".strip()), used)
@@ -352,7 +366,7 @@ def _extreme(rule, facts: pd.DataFrame) -> Verdict:
     rows = select(facts, sel)
     over = rule.get("over", "workload")
     if rows.empty or me not in set(rows["method"]):
-        return Verdict(NOT_COMPARABLE, reason=f"no {sa.get('figure')} for {me} in {sa.get('experiment')}")
+        return Verdict(NOT_COMPARABLE, reason=missing(facts, {**sel, "method": me}))
     lowest = rule["which"] == "lowest"
     results = []
     for key, g in _groups(rows, over).items():

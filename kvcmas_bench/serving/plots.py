@@ -69,12 +69,11 @@ def plot_ttft(
     qps = sorted({r["qps"] for r in rows})
     pos = {q: i for i, q in enumerate(qps)}  # categorical x axis, as in the paper
     n_legend = len(methods) + any(r.get("saturated") for r in rows)
-    ncol = min(n_legend, 4)
+    width = max(7.0, 4.2 * len(shared))
+    ncol = max(1, min(n_legend, 4, int(width // 2.3)))  # about 2.3 in per entry ("saturated (utilization >= 1)")
     rows_legend = -(-n_legend // ncol) if n_legend else 0
     top = 0.93 - 0.06 * rows_legend
-    fig, axes = plt.subplots(
-        1, len(shared), figsize=(max(7.0, 4.2 * len(shared)), 3.4 + 0.3 * rows_legend), squeeze=False
-    )
+    fig, axes = plt.subplots(1, len(shared), figsize=(width, 3.4 + 0.3 * rows_legend), squeeze=False)
     for ax, s in zip(axes[0], shared):
         for m in methods:
             pts = sorted(
