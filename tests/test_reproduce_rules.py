@@ -330,3 +330,24 @@ def test_not_comparable_names_what_was_not_measured_and_what_was():
     assert v.reason == "point shared=8192,qps=0 not measured in e (measured: shared=2048,qps=0)"
     v = evaluate({**RATIO, "experiment": "elsewhere"}, f)
     assert v.reason == "nothing measured in elsewhere"
+
+
+def test_a_method_that_corrected_nothing_is_not_comparable_not_exercised():
+    starved = {**fact("kvcmas", 0.4, 0.35, 0.45), "exercised": False}
+    f = frame(fact("nonshared", 2.4, 2.2, 2.6), starved)
+    v = evaluate(RATIO, f)
+    assert v.verdict == NOT_COMPARABLE and v.reason.startswith("not exercised: kvcmas mmlu")
+    rows = three("mmlu", (1.0, 0.9, 1.1), (1.5, 1.4, 1.6), (2.0, 1.9, 2.1))
+    rows[2]["exercised"] = False  # KVComm's pool never filled: the ranking would compare a fallback
+    v = evaluate(EXTREME, frame(*rows))
+    assert v.verdict == NOT_COMPARABLE and "not exercised: kvcomm" in v.reason
+
+
+def test_exercised_reads_the_corrected_segments_of_online_methods_only():
+    from kvcmas_bench.reproduce.facts import exercised
+
+    none = pd.DataFrame({"seg_corrected": [0, 0, 0]})
+    some = pd.DataFrame({"seg_corrected": [0, 2, 0]})
+    assert not exercised("kvcmas", none) and exercised("kvcmas", some)
+    assert not exercised("kvcomm", pd.DataFrame())
+    assert exercised("cacheblend", none) and exercised("nonshared", none)  # nothing online to fill

@@ -32,7 +32,7 @@ from ..errors import BenchError
 from ..results.frames import load_dirs, load_sweep, read_json
 from ..results.stats import mean_interval, quantile_interval, std_interval
 
-COLUMNS = ("experiment", "workload", "method", "point", "repeat", "figure", "value", "low", "high", "n")
+COLUMNS = ("experiment", "workload", "method", "point", "repeat", "figure", "value", "low", "high", "n", "exercised")
 PAIRED_COLUMNS = ("experiment", "workload", "method", "point", "repeat", "sample_id", "correct")
 #: figure -> (frame, column, statistic): the records a timing figure's interval is computed from
 _SPREAD = {
@@ -63,8 +63,20 @@ def spread(values, stat) -> tuple[float | None, float | None]:
     return (0.0 if lo is None else lo), (math.inf if hi is None else hi)
 
 
-def _fact(experiment, workload, method, point, repeat, figure, value, low=None, high=None, n=None) -> dict:
-    return dict(zip(COLUMNS, (experiment, workload, method, point, repeat, figure, value, low, high, n)))
+def _fact(key: tuple, figure: str, value: float, low=None, high=None, n=None, ran: bool = True) -> dict:
+    """One fact; ``key`` = (experiment, workload, method, point, repeat)."""
+    return dict(zip(COLUMNS, (*key, figure, value, low, high, n, ran)))
+
+
+def exercised(method: str, requests: pd.DataFrame) -> bool:
+    """False for an online correction method (anchor pools) that corrected no shared segment: its
+    figures measure dense fallbacks, not the method (the pool never filled)."""
+    from ..methods import METHODS
+
+    cls = METHODS.get(method)
+    if cls is None or not getattr(cls, "learns_online", False):
+        return True
+    return bool(not requests.empty and "seg_corrected" in requests and requests["seg_corrected"].sum() > 0)
 
 
 def _number(v) -> bool:
@@ -85,6 +97,7 @@ def run_facts(experiment: str, root: Path) -> tuple[list[dict], list[dict]]:
         figs = run.figures()
         n = int(figs.get("n") or 0)
         key = (experiment, run.workload, run.method, point, repeat)
+        ran = exercised(run.method, run.requests)
         for fig, value in figs.items():
             if not _number(value) or fig.endswith(("_se", "_ci_low", "_ci_high")):
                 continue
@@ -94,7 +107,7 @@ def run_facts(experiment: str, root: Path) -> tuple[list[dict], list[dict]]:
                 rows = run.requests if frame == "requests" else run.samples
                 if col in rows:
                     low, high = spread(rows[col].tolist(), stat)
-            facts.append(_fact(*key, fig, float(value), low, high, n))
+            facts.append(_fact(key, fig, float(value), low, high, n, ran))
         if "accuracy" in figs and _number(figs["accuracy"]):
             by_cell.setdefault((experiment, run.workload, run.method, point), []).append(float(figs["accuracy"]))
         if not run.samples.empty and "correct" in run.samples:
@@ -104,7 +117,7 @@ def run_facts(experiment: str, root: Path) -> tuple[list[dict], list[dict]]:
         if len(accs) >= 2:
             s = float(pd.Series(accs).std(ddof=1))
             ci = std_interval(s, len(accs))
-            facts.append(_fact(exp, wl, method, point, 0, "accuracy_seed_std", s, ci[0], ci[1], len(accs)))
+            facts.append(_fact((exp, wl, method, point, 0), "accuracy_seed_std", s, ci[0], ci[1], len(accs)))
     return facts, paired
 
 
@@ -123,6 +136,7 @@ def sweep_facts(experiment: str, root: Path) -> list[dict]:
         mine = served
         if not served.empty and {"method", "shared_tokens", "qps"} <= set(served):
             mine = served[(served["method"] == row["method"]) & (served["shared_tokens"] == s) & (served["qps"] == q)]
+        ran = exercised(row["method"], mine)
         names = [f"shared={s},qps={q:g}"]
         if s == top_s:
             names.append(f"shared=max,qps={q:g}")
@@ -137,9 +151,8 @@ def sweep_facts(experiment: str, root: Path) -> list[dict]:
             if fig in _SPREAD and _SPREAD[fig][0] == "requests" and _SPREAD[fig][1] in mine:
                 low, high = spread(mine[_SPREAD[fig][1]].tolist(), _SPREAD[fig][2])
             for point in names:
-                facts.append(
-                    _fact(experiment, "trace", row["method"], point, 0, fig, float(value), low, high, len(mine))
-                )
+                key = (experiment, "trace", row["method"], point, 0)
+                facts.append(_fact(key, fig, float(value), low, high, len(mine), ran))
     return facts
 
 
@@ -162,9 +175,9 @@ def rank_facts(experiment: str, root: Path) -> list[dict]:
             if not _number(v):
                 continue
             if k == "effective_rank":
-                facts.append(_fact(experiment, wl, "", point, 0, k, float(v), n=r.get("matrices")))
+                facts.append(_fact((experiment, wl, "", point, 0), k, float(v), n=r.get("matrices")))
             elif k.startswith("energy_r"):
-                facts.append(_fact(experiment, wl, "", point, 0, k, float(v), n=r.get("matrices")))
+                facts.append(_fact((experiment, wl, "", point, 0), k, float(v), n=r.get("matrices")))
     return facts
 
 
@@ -176,18 +189,8 @@ def coverage_facts(experiment: str, root: Path) -> list[dict]:
         for r in _records_of(path, "rows"):
             for k in ("coverage", "relative_coverage"):
                 if _number(r.get(k)) and _number(r.get("rho")):
-                    facts.append(
-                        _fact(
-                            experiment,
-                            wl,
-                            r.get("criterion"),
-                            f"rho={float(r['rho']):g}",
-                            0,
-                            k,
-                            float(r[k]),
-                            n=r.get("observations"),
-                        )
-                    )
+                    key = (experiment, wl, r.get("criterion"), f"rho={float(r['rho']):g}", 0)
+                    facts.append(_fact(key, k, float(r[k]), n=r.get("observations")))
     return facts
 
 

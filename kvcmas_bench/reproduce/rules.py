@@ -27,7 +27,9 @@ every group holds), ``max`` / ``min`` (the group with the largest / smallest val
 Verdicts: ``holds``, ``does not hold``, ``inconclusive`` (the interval straddles the threshold, or a
 test is not significant) and ``not comparable`` (a figure is missing); never an exception on data.
 A verdict is never ``holds`` when the uncertainty straddles the threshold. A figure without an
-interval (a deterministic byte count, a median of one run) is judged on its value and says so.
+interval (a deterministic byte count, a median of one run) is judged on its value and says so. A fact
+of an online correction method that corrected no segment (``exercised`` false: its pool never filled)
+makes the verdict "not comparable", reason "not exercised".
 """
 
 from __future__ import annotations
@@ -227,6 +229,8 @@ def _one(rule, form, ga: pd.DataFrame, facts, paired, over, key) -> Verdict:
         return Verdict(
             NOT_COMPARABLE, reason=f"{len(ga)} facts match one operand ({_dupes(ga)}); the rule is ambiguous"
         )
+    if not _ran(ga.iloc[0]):
+        return Verdict(NOT_COMPARABLE, reason=_not_exercised(ga.iloc[0]))
     a = estimate(ga.iloc[0])
     if form == "value":
         return _value(rule, a)
@@ -239,6 +243,8 @@ def _one(rule, form, ga: pd.DataFrame, facts, paired, over, key) -> Verdict:
         return Verdict(NOT_COMPARABLE, reason=missing(facts, sb))
     if len(gb) > 1:
         return Verdict(NOT_COMPARABLE, reason=f"{len(gb)} facts match operand b ({_dupes(gb)}); the rule is ambiguous")
+    if not _ran(gb.iloc[0]):
+        return Verdict(NOT_COMPARABLE, reason=_not_exercised(gb.iloc[0]))
     b = estimate(gb.iloc[0])
     used = [(_label(sb), b.value)]
     if form == "ratio":
@@ -261,6 +267,20 @@ def _one(rule, form, ga: pd.DataFrame, facts, paired, over, key) -> Verdict:
         v = FAILS if side == FAILS else INCONCLUSIVE if side == INCONCLUSIVE and v == HOLDS else v
     reason = f"|a - b| = {abs(d.value):.4g}, at most {bound:.4g} within the interval, tolerance {tol:g}"
     return Verdict(v, d.value, d.low, d.high, d.n, reason, used)
+
+
+def _ran(row: pd.Series) -> bool:
+    """The fact measures its method (facts without the ``exercised`` column always do)."""
+    v = row.get("exercised", True)
+    return True if v is None or (isinstance(v, float) and math.isnan(v)) else bool(v)
+
+
+def _not_exercised(row: pd.Series) -> str:
+    where = " ".join(str(row[k]) for k in ("method", "workload", "point") if str(row.get(k, "")))
+    return (
+        f"not exercised: {where} corrected no shared segment (its anchor pool never filled; every "
+        "segment fell back densely), so its figures measure the fallback, not the method; add --warmup"
+    )
 
 
 def missing(facts: pd.DataFrame, sel: Mapping) -> str:
@@ -361,40 +381,12 @@ def _aggregate(rule, outcomes: list[tuple], over) -> Verdict:
 def _extreme(rule, facts: pd.DataFrame) -> Verdict:
     sa = operand(rule, "a")
     me = sa.get("method")
-    among = list(rule["among"])
-    sel = {k: v for k, v in sa.items() if k != "method"} | {"method": [me, *among]}
+    sel = {k: v for k, v in sa.items() if k != "method"} | {"method": [me, *rule["among"]]}
     rows = select(facts, sel)
     over = rule.get("over", "workload")
     if rows.empty or me not in set(rows["method"]):
         return Verdict(NOT_COMPARABLE, reason=missing(facts, {**sel, "method": me}))
-    lowest = rule["which"] == "lowest"
-    results = []
-    for key, g in _groups(rows, over).items():
-        mine = g[g["method"] == me]
-        others = g[g["method"] != me]
-        if len(mine) != 1 or others.empty:
-            results.append((key, NOT_COMPARABLE, f"{me} {'missing' if mine.empty else 'ambiguous'} or no rival"))
-            continue
-        a = estimate(mine.iloc[0])
-        best, sure = True, True
-        beaten_by = []
-        for _, r in others.iterrows():
-            o = estimate(r)
-            better = a.value < o.value if lowest else a.value > o.value
-            best &= better
-            if not better:
-                beaten_by.append(str(r["method"]))
-            if a.bounded and o.bounded:
-                separated = a.high < o.low if lowest else a.low > o.high
-                against = o.high < a.low if lowest else o.low > a.high
-                sure &= separated if better else against
-        if best and sure:
-            results.append((key, HOLDS, f"{me} {rule['which']}"))
-        elif not best and sure:
-            results.append((key, FAILS, f"{', '.join(beaten_by)} {'lower' if lowest else 'higher'}"))
-        else:
-            what = "best" if best else f"behind {', '.join(beaten_by)}"
-            results.append((key, INCONCLUSIVE, f"{me} {what} but the intervals overlap"))
+    results = [(key, *_rank_group(g, me, rule["which"])) for key, g in _groups(rows, over).items()]
     judged = [r for r in results if r[1] != NOT_COMPARABLE]
     need = int(rule.get("at_least", len(results)))
     n_hold = sum(r[1] == HOLDS for r in judged)
@@ -409,6 +401,33 @@ def _extreme(rule, facts: pd.DataFrame) -> Verdict:
         final = INCONCLUSIVE
     else:
         final = FAILS
-    return Verdict(
-        final, float(n_hold), n=len(judged), reason=f"{n_hold} of {len(judged)} {over}s ({need} needed): {detail}"
-    )
+    why = f"{n_hold} of {len(judged)} {over}s ({need} needed): {detail}"
+    return Verdict(final, float(n_hold), n=len(judged), reason=why)
+
+
+def _rank_group(g: pd.DataFrame, me: str, which: str) -> tuple[str, str]:
+    """Is ``me`` the ``which`` (lowest/highest) of one group's facts, with intervals separating it?"""
+    mine, others = g[g["method"] == me], g[g["method"] != me]
+    if len(mine) != 1 or others.empty:
+        return NOT_COMPARABLE, f"{me} {'missing' if mine.empty else 'ambiguous'} or no rival"
+    bad = [r for _, r in g.iterrows() if not _ran(r)]
+    if bad:
+        return NOT_COMPARABLE, _not_exercised(bad[0])
+    lowest = which == "lowest"
+    a = estimate(mine.iloc[0])
+    best, sure, beaten_by = True, True, []
+    for _, r in others.iterrows():
+        o = estimate(r)
+        better = a.value < o.value if lowest else a.value > o.value
+        best &= better
+        if not better:
+            beaten_by.append(str(r["method"]))
+        if a.bounded and o.bounded:
+            separated = a.high < o.low if lowest else a.low > o.high
+            against = o.high < a.low if lowest else o.low > a.high
+            sure &= separated if better else against
+    if best and sure:
+        return HOLDS, f"{me} {which}"
+    if not best and sure:
+        return FAILS, f"{', '.join(beaten_by)} {'lower' if lowest else 'higher'}"
+    return INCONCLUSIVE, f"{me} {'best' if best else 'behind ' + ', '.join(beaten_by)} but the intervals overlap"
