@@ -28,8 +28,10 @@ from .options import (
     Agents,
     CalibSamples,
     Device,
+    DryRun,
     Dtype,
     EngineArg,
+    EngineName,
     Fidelity,
     Limit,
     LogPrompts,
@@ -217,7 +219,7 @@ def serve_sweep_cmd(
         "whatever their gates say); CacheBlend/DroidSpeak/RelayCaching get --rho RECOMPUTE (default DELTA). "
         "Without it the gated methods reach the rho their tau gives.",
     ),
-    engine: str = typer.Option("in-process", "--engine", help="Serving engine (see `kvcmas-bench engines`)."),
+    engine: EngineName = "in-process",
     backend: str | None = typer.Option(None, "--backend", hidden=True, help="Old name of --engine."),
     engine_arg: EngineArg = None,
     **shared,
@@ -246,7 +248,7 @@ def serve_cmd(
     device: Device = "auto",
     dtype: Dtype = "float32",
     engine_arg: EngineArg = None,
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the vllm serve command and exit."),
+    dry_run: DryRun = False,
 ) -> None:
     """Start `vllm serve` with the KVCMAS connector (the deployment `serve-sweep --engine vllm
     --engine-arg base_url=http://HOST:PORT` benchmarks). Prints the exact command, then runs it."""
@@ -497,14 +499,12 @@ def reproduce_cmd(
         "smoke", help="smoke (2-core CPU, < 30 min), small (one GPU, hours) or paper (the paper's settings)."
     ),
     claims: str | None = typer.Option(None, help="Claim ids, comma-separated (default: every claim; see --list)."),
-    engine: str = typer.Option(
-        "in-process", "--engine", help="Serving engine of the serve-sweep experiments (in-process, vllm)."
-    ),
+    engine: EngineName = "in-process",
     vlm_model: str | None = typer.Option(
         None, help="A vision-language model for the VLM experiments (skipped without one)."
     ),
     output_path: OutputPath = "runs/reproduce",
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and its estimated cost, run nothing."),
+    dry_run: DryRun = False,
     list_claims: bool = typer.Option(
         False, "--list", help="List the claims with their experiment and rule, run nothing."
     ),

@@ -56,6 +56,16 @@ Model = Annotated[
 ]
 Device = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
 Dtype = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")]
+DryRun = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Print what would run (serve: the vllm serve command; reproduce: the plan and its cost), run nothing.",
+    ),
+]
+EngineName = Annotated[
+    str, typer.Option("--engine", help="Serving engine (see `kvcmas-bench engines`); reproduce: of its serve-sweeps.")
+]
 EngineArg = Annotated[
     list[str] | None,
     typer.Option(
