@@ -393,15 +393,12 @@ def ablation_table(out_dir: Path, points: list[Point]) -> pd.DataFrame:
 
 
 def _exercised(run) -> bool | None:
-    """Whether an online correction method (anchor pools) corrected at least one segment, i.e.
-    whether its knobs could act at this point at all; None for the other methods."""
-    from ..methods import METHODS
+    """Whether an online correction method corrected at least one segment, i.e. whether its knobs
+    could act at this point at all (:func:`kvcmas_bench.reproduce.facts.exercised`); None for the
+    other methods."""
+    from ..reproduce.facts import exercised
 
-    cls = METHODS.get(run.method)
-    if cls is None or not getattr(cls, "learns_online", False):
-        return None
-    r = run.requests
-    return bool(not r.empty and "seg_corrected" in r and r["seg_corrected"].sum() > 0)
+    return exercised(run.method, run.requests)
 
 
 def _throughput(run) -> float | None:

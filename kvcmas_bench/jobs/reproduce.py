@@ -25,11 +25,12 @@ Policy:
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -219,12 +220,12 @@ def reproduce(opts: ReproduceOptions, progress=None, say=print) -> ReproduceResu
         manifest = open_manifest(out, opts)
         states = manifest["experiments"]
         todo = [e for e in exps if not e.skip]
-        total = sum(max(cost.seconds(e), 1.0) if cost.prefill_s == cost.prefill_s else 1.0 for e in todo)
+        total = sum(_weight(cost, e) for e in todo)
         if progress is not None:
             progress.start(total)
         for e in todo:
             argv = command(e, str(out / e.name), opts.model, opts.device, opts.dtype, opts.seed)
-            weight = max(cost.seconds(e), 1.0) if cost.prefill_s == cost.prefill_s else 1.0
+            weight = _weight(cost, e)
             st = states.get(e.name, {})
             if st.get("status") == "done" and st.get("argv") == argv:
                 if progress is not None:
@@ -259,6 +260,11 @@ def reproduce(opts: ReproduceOptions, progress=None, say=print) -> ReproduceResu
     return res
 
 
+def _weight(cost: TokenCost, e: Experiment) -> float:
+    """An experiment's share of the progress bar: its estimated seconds (1 when no cost is known)."""
+    return 1.0 if math.isnan(cost.prefill_s) else max(cost.seconds(e), 1.0)
+
+
 def judge(res: ReproduceResult, claims: list[Claim], exps: list[Experiment], out: Path, states: dict) -> None:
     """Collect the facts of every finished experiment and evaluate every claim's rule on them."""
     readable = {e.name: (e.reader, out / e.name) for e in exps if not e.skip and (out / e.name).exists()}
@@ -276,7 +282,6 @@ def judge(res: ReproduceResult, claims: list[Claim], exps: list[Experiment], out
         else:
             v = evaluate(c.rule, facts, paired)
         res.outcomes.append(Outcome(c, v))
-    res.facts = facts  # type: ignore[attr-defined]
 
 
 def _fmt(v: float | None) -> str:
@@ -372,7 +377,3 @@ def write_report(res: ReproduceResult, out: Path, opts: ReproduceOptions) -> lis
     atomic_write(out / "verdicts.json", json.dumps(payload, indent=2, default=str))
     files.append(out / "verdicts.json")
     return files
-
-
-def as_dict(e: Experiment) -> dict:
-    return asdict(e)

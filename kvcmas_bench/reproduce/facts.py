@@ -68,14 +68,15 @@ def _fact(key: tuple, figure: str, value: float, low=None, high=None, n=None, ra
     return dict(zip(COLUMNS, (*key, figure, value, low, high, n, ran)))
 
 
-def exercised(method: str, requests: pd.DataFrame) -> bool:
-    """False for an online correction method (anchor pools) that corrected no shared segment: its
-    figures measure dense fallbacks, not the method (the pool never filled)."""
+def exercised(method: str, requests: pd.DataFrame) -> bool | None:
+    """Whether an online correction method (anchor pools) corrected at least one shared segment;
+    False: its figures measure dense fallbacks, not the method (the pool never filled). None for
+    the methods without online state (nothing to fill)."""
     from ..methods import METHODS
 
     cls = METHODS.get(method)
     if cls is None or not getattr(cls, "learns_online", False):
-        return True
+        return None
     return bool(not requests.empty and "seg_corrected" in requests and requests["seg_corrected"].sum() > 0)
 
 
@@ -97,7 +98,7 @@ def run_facts(experiment: str, root: Path) -> tuple[list[dict], list[dict]]:
         figs = run.figures()
         n = int(figs.get("n") or 0)
         key = (experiment, run.workload, run.method, point, repeat)
-        ran = exercised(run.method, run.requests)
+        ran = exercised(run.method, run.requests) is not False
         for fig, value in figs.items():
             if not _number(value) or fig.endswith(("_se", "_ci_low", "_ci_high")):
                 continue
@@ -136,7 +137,7 @@ def sweep_facts(experiment: str, root: Path) -> list[dict]:
         mine = served
         if not served.empty and {"method", "shared_tokens", "qps"} <= set(served):
             mine = served[(served["method"] == row["method"]) & (served["shared_tokens"] == s) & (served["qps"] == q)]
-        ran = exercised(row["method"], mine)
+        ran = exercised(row["method"], mine) is not False
         names = [f"shared={s},qps={q:g}"]
         if s == top_s:
             names.append(f"shared=max,qps={q:g}")
