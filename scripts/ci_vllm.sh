@@ -11,4 +11,4 @@ if ! timeout 1500 env VENV=.venv-vllm bash scripts/setup.sh --vllm > .venv-vllm-
     echo "ci_vllm: vLLM could not be installed (log: .venv-vllm-setup.log); the vLLM engine tests did NOT run" >&2
     exit 0
 fi
-OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q -rs tests/test_vllm_backend.py tests/test_vllm_server.py
+OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q -rs tests/test_vllm_backend.py tests/test_vllm_server.py tests/test_vllm_api.py

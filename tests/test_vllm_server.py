@@ -743,3 +743,259 @@ def test_tensor_parallel_2_reproduces_one_rank(tmp_path_factory):
         "total_kv_heads": 2,
         "replicas": 1,
     }
+
+
+# ---- a shared deployment: what a hostile client can no longer do ----------------------------------------
+def _agent_request(srv, secret, method, traj, i, req, last, salt="p", strip_salt=False):
+    """Send one agent of a trajectory by hand (what a client of the deployment can send): its key
+    and the non-streamed response."""
+    from kvcmas_bench.serving.vllm.worker import agent_params
+
+    key = srv._key()
+    params = agent_params(secret, method, {}, traj, i, req, list(range(i)), key, last=last)
+    body = srv._body(req.prompt_ids, req.max_new_tokens + 1, params, salt)
+    if strip_salt:
+        body.pop("cache_salt")
+    return key, srv.http.post(body)
+
+
+def _first_agent(srv, secret, tr, traj, method="fullshared"):
+    """Agent 0 of ``tr`` in session ``secret`` (the trajectory stays live), and agent 1's request."""
+    from kvcmas_bench.serving.vllm.flow import agent_output
+
+    req0 = tr.request(0, {})
+    req0.node = tr.agents[0].name
+    _, r = _agent_request(srv, secret, method, traj, 0, req0, last=False)
+    out = agent_output(r["choices"][0]["token_ids"], req0.max_new_tokens, srv.eos_ids, True)
+    req1 = tr.request(1, {tr.agents[0].name: out})
+    req1.node = tr.agents[1].name
+    return req1
+
+
+def _plain_tokens(srv, prompt, n):
+    r = srv.http.post(srv._body(prompt, n, None, None))
+    return r["choices"][0]["token_ids"]
+
+
+@needs_vllm
+def test_a_malformed_request_cannot_kill_the_server_and_a_fuzzed_few_hundred_are_each_refused(srv):
+    """The request that killed EngineCore (``kvcmas_key: []``), then 300 generated malformed payloads:
+    each answered 400 with one line; afterwards plain requests still give plain vLLM's tokens and
+    logprobs, exactly as before the fuzzing."""
+    from kvcmas_bench.errors import BenchError
+    from kvcmas_bench.serving.vllm.guard import new_secret
+
+    from .kv_fuzz import PROMPT, malformed
+
+    prompts = [list(range(40 + i, 80 + i)) for i in range(3)]
+    before = [_plain(srv, p) for p in prompts]
+    refused = 0
+    for params in [{"kvcmas_key": []}] + malformed(new_secret(), 300, seed=1):
+        body = {**srv._body(PROMPT, 3, None, None), "kv_transfer_params": params}
+        with pytest.raises(BenchError, match="answered 400") as exc:
+            srv.http.post(body)
+        assert "invalid kv_transfer_params: " in str(exc.value)
+        refused += 1
+    assert refused == 301
+    after = [_plain(srv, p) for p in prompts]
+    for (t0, lp0, _), (t1, lp1, _) in zip(before, after):
+        assert t0 == t1 and _same(lp0, lp1, tol=1e-6)
+
+
+@needs_vllm
+def test_another_client_cannot_read_a_sessions_context_or_end_it(srv):
+    """The attack of issue 45: the victim's trajectory holds agent 0's K/V of a secret context. The
+    attacker names the victim's trajectory with dummy tokens: by the victim's public tag it gets
+    400; with a session of its own it gets exactly plain vLLM's generation of its dummy tokens (no
+    source, no byte of the victim's context); its report and end of the victim's tag get 400, and
+    its own end leaves the victim's session whole (agent 1 then reuses agent 0's cache)."""
+    from kvcmas_bench.errors import BenchError
+    from kvcmas_bench.serving.vllm.guard import new_secret, session_tag
+    from kvcmas_bench.serving.vllm.worker import report_params
+
+    victim = srv.prepare(_spec("fullshared"), [])._kvcmas_session
+    tr = _traces(srv, 1, ctx=96, seed=21)[0]
+    req1 = _first_agent(srv, victim.id, tr, "victim-traj")
+    dummy = copy_request(req1, token=7)
+    with pytest.raises(BenchError, match="answered 400"):
+        _agent_request(srv, session_tag(victim.id), "fullshared", "victim-traj", 1, dummy, last=True)
+    attacker = new_secret()
+    key, r = _agent_request(srv, attacker, "fullshared", "victim-traj", 1, dummy, last=True)
+    assert r["choices"][0]["token_ids"] == _plain_tokens(srv, dummy.prompt_ids, dummy.max_new_tokens + 1)
+    for end in (False, True):
+        with pytest.raises(BenchError, match="answered 400"):
+            srv._request([1], 1, report_params(session_tag(victim.id), end))
+    stolen = srv._request([1], 1, report_params(attacker, end=True), salt="r")["kv_transfer_params"]["kvcmas_reports"]
+    (rec,) = [x for x in stolen if x.get("kvcmas_key") == key]
+    assert [s["status"] for s in rec["segments"] if s["kind"] == "PH"] == ["exact"] * 2  # computed, no source
+    key1, _ = _agent_request(srv, victim.id, "fullshared", "victim-traj", 1, req1, last=True)
+    _, by_key = srv.report(victim, end=True)
+    assert [s["status"] for s in by_key[key1]["segments"] if s["kind"] == "PH"][0] == "reused"
+
+
+def copy_request(req, token: int):
+    """``req`` with every shared segment's tokens replaced by ``token`` (same shape)."""
+    from kvcmas_bench.segments import Request, Segment
+
+    segs = [
+        Segment(s.kind, [token] * len(s.ids) if s.kind == "PH" else list(s.ids), slot=s.slot, name=s.name)
+        for s in req.segments
+    ]
+    return Request(req.agent, segs, req.max_new_tokens, node=req.node)
+
+
+@needs_vllm
+def test_a_source_is_not_reused_under_other_tokens_in_its_own_session(srv):
+    """FullShared in the victim's own session, agent 1 sent with other tokens in its shared segments:
+    the worker refuses to plan it (its record is the error) instead of reusing agent 0's K/V."""
+    sess = srv.prepare(_spec("fullshared"), [])._kvcmas_session
+    tr = _traces(srv, 1, ctx=96, seed=22)[0]
+    req1 = _first_agent(srv, sess.id, tr, "t-forged")
+    key, _ = _agent_request(srv, sess.id, "fullshared", "t-forged", 1, copy_request(req1, token=9), last=True)
+    _, by_key = srv.report(sess, end=True)
+    assert "tokens differ from its source's" in by_key[key]["error"]
+
+
+@needs_vllm
+def test_an_unsalted_injected_request_cannot_poison_the_prefix_cache(srv):
+    """A FullShared agent sent without ``cache_salt`` (the client 'forgot' it): the server salts it in
+    its session's namespace, so a later plain request of the same prompt from anyone hits none of
+    its blocks and gets plain vLLM's tokens."""
+    from kvcmas_bench.serving.vllm.guard import new_secret
+
+    secret = new_secret()
+    tr = _traces(srv, 1, ctx=128, seed=23)[0]
+    req1 = _first_agent(srv, secret, tr, "t-poison")
+    _agent_request(srv, secret, "fullshared", "t-poison", 1, req1, last=True, strip_salt=True)
+    tok, lp, cached = _plain(srv, req1.prompt_ids)
+    assert cached == 0
+    tok2, lp2, cached2 = _plain(srv, req1.prompt_ids)  # control: a plain request's own blocks are hit
+    assert cached2 >= 32 and tok2 == tok and _same(lp, lp2)
+
+
+# ---- a lost server loses nothing finished -------------------------------------------------------------
+def _sweep_args(tiny_dir, out, base_url):
+    args = [sys.executable, "-m", "kvcmas_bench.cli", "serve-sweep", "--engine", "vllm", "--model", tiny_dir]
+    args += ["--dtype", "float32", "--method", "nonshared,fullshared", "--qps", "0,2,4,8", "--shared-tokens", "64"]
+    args += ["--trajectories", "3", "--output-tokens", "3", "--calib-trajectories", "1"]
+    return args + ["-o", str(out), "--engine-arg", f"base_url={base_url}"]
+
+
+def _served(path):
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return {(r["method"], r["qps"]) for r in rows}
+
+
+def _deterministic(out):
+    """Each served request's identity and what does not depend on timing."""
+    rows = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    return sorted(
+        (r["method"], r["qps"], r["trajectory"], r["step"], r["prompt_tokens"], r["output_tokens"],
+         tuple(s["status"] for s in r["segments"]))
+        for r in rows
+    )  # fmt: skip
+
+
+@needs_vllm
+def test_a_server_killed_mid_sweep_loses_no_finished_point_and_the_rerun_serves_only_the_rest(srv, tiny_dir, tmp_path):
+    """The sweep's own server is killed (its process group, by PID) once the first QPS point is in
+    ``served.jsonl``: the sweep exits 2 with one line saying what is saved; the rerun (on another
+    server) serves only the missing points, and its records equal an uninterrupted sweep's."""
+    import signal
+
+    from kvcmas_bench.serving import get_engine
+
+    victim = get_engine("vllm", model=tiny_dir, dtype="float32", warmup=False, **SERVER_ARGS)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_sweep_args(tiny_dir, out, victim.base_url), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not _served(out / "served.jsonl") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(victim.server_proc.proc.pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    victim.server_proc.proc.wait()
+    saved = _served(out / "served.jsonl")
+    lines = [x for x in err.decode().splitlines() if x.strip()]
+    assert proc.returncode == 2 and 1 <= len(saved) < 8, (proc.returncode, saved, lines[-3:])
+    assert len(lines) == 1 and "rerun the same command to serve the rest" in lines[0]
+    assert f"{len(saved)} QPS point(s) finished" in lines[0]
+    rerun = subprocess.run(_sweep_args(tiny_dir, out, srv.base_url), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-500:]
+    assert "already served" in rerun.stdout
+    assert _served(out / "served.jsonl") == {(m, q) for m in ("nonshared", "fullshared") for q in (0.0, 2.0, 4.0, 8.0)}
+    whole = tmp_path / "whole"
+    assert subprocess.run(_sweep_args(tiny_dir, whole, srv.base_url), capture_output=True, timeout=600).returncode == 0
+    assert _deterministic(out) == _deterministic(whole)  # nothing missing, nothing duplicated
+
+
+# ---- fan-out on the server ---------------------------------------------------------------------------
+def _fanout(srv, secret, traj, together: bool, method="fullshared"):
+    """A (planner) -> B, C (siblings, both reading A's output) -> D (reads both), by hand; B and C
+    sent at once (``together``) or one after the other. Each agent's record, by agent."""
+    from kvcmas_bench.segments import Request, Segment
+    from kvcmas_bench.serving.vllm.flow import agent_output
+    from kvcmas_bench.serving.vllm.worker import agent_params
+
+    ctx, outputs, keys, n_out = list(range(100, 164)), {}, {}, 24
+    barrier = threading.Barrier(2)
+    reads = {"A": [], "B": ["A"], "C": ["A"], "D": ["B", "C"]}
+    ancestors = {"A": [], "B": [0], "C": [0], "D": [0, 1, 2]}
+
+    def send(i, name):
+        segs = [Segment("PF", [10 + i] * 5), Segment("PH", ctx, slot="ctx")]
+        segs += [Segment("PH", outputs[p], slot=f"out:{p}") for p in reads[name]]
+        req = Request(name, segs, n_out, node=name)
+        keys[name] = srv._key()
+        params = agent_params(secret, method, {}, traj, i, req, ancestors[name], keys[name], last=name == "D")
+        if together and name in "BC":
+            barrier.wait()  # both siblings sent at once: in flight together for their whole decode
+        r = srv.http.post(srv._body(req.prompt_ids, n_out + 1, params, "f"))
+        outputs[name] = agent_output(r["choices"][0]["token_ids"], n_out, srv.eos_ids, True)
+
+    send(0, "A")
+    if together:
+        threads = [threading.Thread(target=send, args=(i, n)) for i, n in ((1, "B"), (2, "C"))]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    else:
+        send(1, "B")
+        send(2, "C")
+    send(3, "D")
+    return keys, outputs
+
+
+@needs_vllm
+def test_a_fan_out_through_the_server_keeps_each_agents_own_state(srv):
+    """Two siblings of one trajectory in flight at once give the records of the same trajectory
+    served one agent at a time: each record names its own agent and step, reuses what it should,
+    and the outputs are the same."""
+    from kvcmas_bench.serving.vllm.guard import new_secret
+
+    def records(together):
+        secret = new_secret()
+        keys, outputs = _fanout(srv, secret, "fan", together)
+        reports = srv._request([1], 1, _report(secret), salt="r")["kv_transfer_params"]["kvcmas_reports"]
+        by_key = {r["kvcmas_key"]: r for r in reports if "kvcmas_key" in r}
+        out = {}
+        for name, key in keys.items():
+            r = by_key[key]
+            assert "error" not in r, r["error"]
+            out[name] = (r["agent"], r["step"], r["first_token_id"], [s["status"] for s in r["segments"]])
+        return out, outputs
+
+    sequential, out_seq = records(False)
+    together, out_tog = records(True)
+    assert together == sequential and out_tog == out_seq
+    assert {a: (rec[0], rec[1]) for a, rec in together.items()} == {
+        "A": ("A", 0),
+        "B": ("B", 1),
+        "C": ("C", 2),
+        "D": ("D", 3),
+    }
+    assert together["D"][3] == ["exact", "reused", "reused", "reused"]  # ctx and both siblings' outputs
+
+
+def _report(secret):
+    from kvcmas_bench.serving.vllm.worker import report_params
+
+    return report_params(secret, end=True)

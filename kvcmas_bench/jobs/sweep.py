@@ -17,11 +17,14 @@ RECOMPUTE`` instead. Without it nothing is scheduled and ``--rho`` reaches the r
 only, as before.
 
 Output directory: ``config.json``, ``traces.jsonl`` (replayable), ``service.jsonl`` (one isolated
-measurement a line, replaying engines), ``requests.jsonl`` (one served request per
+measurement a line, replaying engines), ``served.jsonl`` (engines that serve live, ``--engine vllm``:
+every QPS point's served requests, appended as the point completes), ``requests.jsonl`` (one served request per
 method/shared/qps a line, with its timeline), ``summary.json`` (one row per method/shared/qps) and
 the TTFT plots. Measuring resumes: (method, shared length) pairs already in ``service.jsonl`` are not
-measured again when the measurement settings match; :func:`evaluate_service` re-sweeps saved
-measurements without a model.
+measured again when the measurement settings match, and on live engines the (method, shared length,
+QPS) points already in ``served.jsonl`` are not served again (a point is served whole: its requests
+were measured under that point's load); :func:`evaluate_service` re-sweeps saved measurements
+without a model.
 """
 
 from __future__ import annotations
@@ -44,7 +47,15 @@ from ..results.provenance import provenance
 from ..results.records import read_jsonl_objects, write_json
 from ..results.request import RequestRecord
 from ..serving.arrivals import arrival_times, check_rate
-from ..serving.engines import ENGINE_LIMITS, ServingEngine, check_engine, get_engine, replay_all
+from ..serving.engines import (
+    ENGINE_LIMITS,
+    EngineLost,
+    ServeResult,
+    ServingEngine,
+    check_engine,
+    get_engine,
+    replay_all,
+)
 from ..serving.metrics import DEFINITIONS, QPS_UNIT, capacity, sweep_rows
 from ..serving.traces import (
     DEFAULT_ACCUMULATED_CONTEXT,
@@ -80,6 +91,9 @@ MEASURE_KEYS = (
 TEXT_WORKLOAD = "mmlu"
 
 Measured = dict[tuple[str, int], list[list[RequestRecord]]]
+#: served QPS points saved by a live engine: (method, shared length, qps) -> its requests
+Points = dict[tuple[str, int, float], list[RequestRecord]]
+SERVED = "served.jsonl"
 
 #: ``--matched-rho`` presets: the paper's serving pairs (Section 4.3, Appendix B.4): delta correction
 #: at rho 0.8 against selective recomputation at 0.9, and 0.6 against 0.8
@@ -251,6 +265,8 @@ class SweepSpec:
     accumulated: bool
     traces_path: str | None
     groups: dict[int, tuple[list[Trace], list[Trace]]] = field(default_factory=dict)
+    #: points a live engine served before this run (resumed from ``served.jsonl``)
+    points: Points = field(default_factory=dict)
 
     @property
     def traces(self) -> list[Trace]:
@@ -537,7 +553,10 @@ def prepare(
     config["engine_options"] = dict(opts.engine_options or {})
     config.update(matched_config(sweep, plan.matched))
     out_dir = Path(opts.output_path)
+    resumed = (out_dir / "config.json").exists()
     saved = open_dir(out_dir, config, opts.num_trajectories)  # checks the directory before anything is written
+    expected = {s: sum(len(t.agents) for t in ev) for s, (ev, _) in sweep.groups.items()}
+    sweep.points = {} if backend.replays_service else open_points(out_dir / SERVED, resumed, expected)
     atomic_write(out_dir / "traces.jsonl", traces_text)
     _write_config(out_dir, config, backend)
     return sweep, config, saved
@@ -729,14 +748,14 @@ def serve(
                 say(f"{name} @ {s} shared tokens: reusing saved measurements")
                 out[(name, s)] = replay_all(prev[: len(ev)], schedules)
                 continue
+            done = {} if backend.replays_service else _saved_points(sweep.points, name, s, schedules, say)
+            if len(done) == len(schedules):
+                out[(name, s)] = done
+                continue
             say(f"{name} @ {s} shared tokens: preparing (calibration / warm-up on {len(cal)} held-out trajectories)")
-            m = backend.prepare(spec, cal)
-            config.setdefault("method_configs", {})[name] = m.config()
-            config.setdefault("method_resolved", {})[name] = m.resolved(
-                _torch_device(str(config.get("device"))), getattr(backend, "kv_width", None)
-            )
-            res = backend.serve(m, ev, schedules)
-            del m
+            todo = {q: a for q, a in schedules.items() if q not in done}
+            res = _serve_group(backend, spec, name, s, cal, ev, todo, config, service_path.parent / SERVED)
+            res.timelines = {q: done[q] if q in done else res.timelines[q] for q in schedules}
             if res.service is not None:
                 for tr in res.service:
                     for r in tr:
@@ -749,6 +768,80 @@ def serve(
                     r.method, r.shared_tokens = name, s
             out[(name, s)] = res.timelines
     return out
+
+
+def _saved_points(points: Points, name: str, s: int, schedules, say) -> dict[float, list[RequestRecord]]:
+    """The QPS points of (``name``, ``s``) a live engine served before this run."""
+    done = {q: points[(name, s, float(q))] for q in schedules if (name, s, float(q)) in points}
+    if len(done) == len(schedules):
+        say(f"{name} @ {s} shared tokens: every QPS point already served (in {SERVED}); not served again")
+    elif done:
+        say(f"{name} @ {s} shared tokens: QPS {', '.join(f'{q:g}' for q in done)} already served; serving the rest")
+    return done
+
+
+def _serve_group(  # noqa: PLR0913  (one group's inputs and where its points go)
+    backend: ServingEngine, spec, name: str, s: int, cal, ev, todo, config: dict, served_path: Path
+) -> ServeResult:
+    """Prepare the method and serve the ``todo`` points, each appended to ``served_path`` as it
+    completes; a lost engine says how much is saved and that a rerun serves the rest."""
+    m = backend.prepare(spec, cal)
+    config.setdefault("method_configs", {})[name] = m.config()
+    config.setdefault("method_resolved", {})[name] = m.resolved(
+        _torch_device(str(config.get("device"))), getattr(backend, "kv_width", None)
+    )
+
+    def on_point(q: float, recs: list[RequestRecord]) -> None:
+        for r in recs:
+            r.method, r.shared_tokens, r.qps = name, s, q
+        _append_service(served_path, [recs])
+
+    import inspect
+
+    takes = "on_point" in inspect.signature(backend.serve).parameters  # an engine written before it may not
+    try:
+        return backend.serve(m, ev, todo, on_point=on_point) if takes else backend.serve(m, ev, todo)
+    except EngineLost as exc:
+        n = len(_read_points(served_path)) if served_path.exists() else 0
+        raise BenchError(
+            f"{exc}; {n} QPS point(s) finished and are saved in {served_path}; rerun the same command to serve the rest"
+        ) from None
+
+
+def open_points(path: Path, resumed: bool, expected: dict[int, int]) -> Points:
+    """A resumed live sweep's complete points (each with every request of its shared length's
+    trajectories, ``expected``, once); the file is rewritten without partial points or a torn last
+    line. A new sweep starts it empty."""
+    if not resumed:
+        path.unlink(missing_ok=True)
+        return {}
+    points = _read_points(path) if path.exists() else {}
+    points = {k: v for k, v in points.items() if len(v) == expected.get(k[1])}
+    _write_jsonl(path, [r.to_dict() for v in points.values() for r in v])
+    return points
+
+
+def _read_points(path: Path) -> Points:
+    points: Points = {}
+    seen: set = set()
+    rows, _ = read_jsonl_objects(path)
+    for n, _, d in rows:
+        try:
+            rec = RequestRecord.from_dict(d)
+            key = (str(rec.method), int(rec.shared_tokens), float(rec.qps))
+            one = (*key, str(rec.trajectory), rec.step)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            raise BenchError(
+                f"{path} line {n} is not a served request ({str(exc)[:200]}); nothing was changed "
+                "(repair or remove that line, or use another --output-path)"
+            ) from None
+        if one in seen:
+            raise BenchError(
+                f"{path} line {n} repeats request {one[3]} step {one[4]} of a point; use another --output-path"
+            )
+        seen.add(one)
+        points.setdefault(key, []).append(rec)
+    return points
 
 
 def write(out_dir: Path, config: dict, timelines: dict, plots: bool = True, console=None) -> dict:

@@ -30,6 +30,9 @@ from .traces import Trace
 
 #: a QPS value -> trajectory start times (None: single stream, each trajectory after the last)
 Schedules = Mapping[float, Sequence[float] | None]
+#: called by engines that serve live (not replayed) with each QPS point's records as soon as it is
+#: complete, so a sweep can write them ahead of its end
+OnPoint = Callable[[float, list[RequestRecord]], None]
 
 
 @dataclass
@@ -67,7 +70,13 @@ class ServingEngine(Protocol):
 
     def prepare(self, spec: MethodSpec, calibration: Sequence[Trace]) -> Method: ...
 
-    def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult: ...
+    def serve(
+        self, method: Method, traces: Sequence[Trace], schedules: Schedules, on_point: OnPoint | None = None
+    ) -> ServeResult: ...
+
+
+class EngineLost(BenchError):
+    """The engine (a server) went away or broke off a response mid-sweep: the request failed."""
 
 
 #: engine name (a ``serve-sweep --engine`` value) -> engine factory, filled by :func:`register_engine`
@@ -239,7 +248,11 @@ class InProcessEngine:
     def measure(self, trace: Trace, method) -> list[RequestRecord]:
         return request_records(self.run_trajectory(trace, method), self.engine.n_layers, trajectory=trace.id)
 
-    def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult:
+    def serve(
+        self, method: Method, traces: Sequence[Trace], schedules: Schedules, on_point: OnPoint | None = None
+    ) -> ServeResult:
+        """Measure each trajectory once, replay every point (``service.jsonl`` is the sweep's
+        write-ahead record here, so ``on_point`` is not called)."""
         service = [self.measure(tr, method) for tr in traces]
         return ServeResult(replay_all(service, schedules), service)
 

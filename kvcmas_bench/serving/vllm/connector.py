@@ -47,6 +47,7 @@ Pipeline and context parallelism are refused (:func:`~.tp.parallel_refusal`).
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -57,11 +58,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from .guard import screen_request
 from .layers import MODEL_LOCK, LazyLayers
 from .layout import KVLayout, slots_at, slots_of
 from .plan import KEY, STORE, Capture, Plan  # noqa: F401  (Capture, Plan: re-exported for callers)
 from .tp import HeadShards, parallel_refusal
-from .worker import ANSWERED_OPS, WorkerRuntime, params_of, waits_for_plan
+from .worker import ANSWERED_OPS, SESSION_IDLE_S, WorkerRuntime, waits_for_plan
+
+#: seconds the scheduler side holds a request for its plan or answer before it gives up on it
+DEADLINE_S = 300.0
 
 #: the worker side's runtime (one per worker process)
 RUNTIME: WorkerRuntime | None = None
@@ -102,9 +107,9 @@ class KVCMASWorkerMeta(KVConnectorWorkerMetadata):
 
 
 def _key(request) -> str | None:
-    params = getattr(request, "kv_transfer_params", None) or {}
-    key = params.get(KEY)
-    return key if key in STORE.plans else None
+    params = getattr(request, "kv_transfer_params", None)
+    key = params.get(KEY) if isinstance(params, dict) else None
+    return key if isinstance(key, str) and key in STORE.plans else None
 
 
 def _layer_index(name: str, fallback: int) -> int:
@@ -133,6 +138,8 @@ class KVCMASConnector(KVConnectorBase_V1):
         self.num_blocks = getattr(kv_cache_config, "num_blocks", None)
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
         self._budget = int(float(extra["budget_gib"]) * 2**30) if extra.get("budget_gib") else None
+        self._idle_s = float(extra.get("session_idle_s") or SESSION_IDLE_S)
+        self._deadline_s = float(extra.get("deadline_s") or DEADLINE_S)
         why = parallel_refusal(vllm_config.parallel_config)
         if why:
             raise ValueError(f"KVCMASConnector cannot run with {why}")
@@ -151,6 +158,11 @@ class KVCMASConnector(KVConnectorBase_V1):
         self._errors: dict[str, str] = {}
         self._new: list[tuple[str, dict, list[int]]] = []
         self._finished: list[tuple[str, list[int]]] = []
+        #: each request's checked kvcmas metadata (:func:`~.guard.screen_request`, once per request),
+        #: the reason a request was refused, and when a held request was first held
+        self._meta: dict[str, dict | None] = {}
+        self._refused: dict[str, str] = {}
+        self._since: dict[str, float] = {}
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
@@ -159,7 +171,15 @@ class KVCMASConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        meta = params_of(request)
+        rid = request.request_id
+        if rid not in self._meta:
+            self._meta[rid], why = screen_request(request)
+            if why is not None:  # refused before anything is looked up: one token, then the reason
+                self._refused[rid] = why
+                request.max_tokens = 1
+        if rid in self._refused:
+            return 0, False
+        meta = self._meta[rid]
         if meta is not None:
             return self._server_match(request, meta, num_computed_tokens)
         key = _key(request)
@@ -186,9 +206,12 @@ class KVCMASConnector(KVConnectorBase_V1):
                 self._waits.add(rid)
         op = meta.get("op")
         if op in ANSWERED_OPS:
-            return (0, False) if rid in self._answers else (None, False)
+            return (0, False) if rid in self._answers or self._overdue(rid) else (None, False)
         if rid not in self._waits:
             return 0, False
+        if rid not in self._claims and self._overdue(rid):
+            self._claims[rid] = 0
+            self._errors[rid] = f"TimeoutError: the worker did not plan it within {self._deadline_s:g} s"
         if rid not in self._claims:
             if rid not in self._held:
                 self._held.add(rid)
@@ -198,12 +221,20 @@ class KVCMASConnector(KVConnectorBase_V1):
         n = min(self._claims[rid], request.num_prompt_tokens - 1)
         return max(0, n - num_computed_tokens), False
 
+    def _overdue(self, rid: str) -> bool:
+        """Whether ``rid`` has been held past the deadline (its request then goes on, with an error)."""
+        since = self._since.setdefault(rid, time.monotonic())
+        if time.monotonic() - since <= self._deadline_s:
+            return False
+        self._refused.setdefault(rid, f"TimeoutError: no answer from the worker within {self._deadline_s:g} s")
+        return True
+
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(meta, KVCMASWorkerMeta):
-            self._claims.update(meta.claims)
-            self._answers.update(meta.answers)
-            self._errors.update(meta.errors)
+        if isinstance(meta, KVCMASWorkerMeta):  # answers for requests still here (not given up on)
+            self._claims.update({r: v for r, v in meta.claims.items() if r in self._server})
+            self._answers.update({r: v for r, v in meta.answers.items() if r in self._server})
+            self._errors.update({r: v for r, v in meta.errors.items() if r in self._server})
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if request.request_id in self._server:
@@ -255,15 +286,19 @@ class KVCMASConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids):
         rid = request.request_id
         self._drop(rid)
+        meta = self._meta.pop(rid, None) or {}
+        refused = self._refused.pop(rid, None)
+        self._since.pop(rid, None)
         if rid not in self._server:
-            return False, None
+            return False, ({"kvcmas_error": refused} if refused else None)
         self._server.discard(rid)
         self._asked.discard(rid)
         self._waits.discard(rid)
         self._held.discard(rid)
         self._claims.pop(rid, None)
-        error = self._errors.pop(rid, None)
-        meta = params_of(request) or {}
+        error = self._errors.pop(rid, None) or refused
+        if meta.get("op") in ANSWERED_OPS and rid not in self._answers and refused:
+            return False, {"kvcmas_error": refused}
         if meta.get("op") in ANSWERED_OPS:
             answer = {"kvcmas_reports": self._answers.pop(rid, [])}
             if meta.get("op") == "report":
@@ -279,7 +314,7 @@ class KVCMASConnector(KVConnectorBase_V1):
         self._caches = dict(kv_caches)
         self._index = {name: _layer_index(name, i) for i, name in enumerate(kv_caches)}
         if RUNTIME is None and kv_caches:
-            RUNTIME = _runtime(self._vllm_config, next(iter(kv_caches.values())).device, self._budget)
+            RUNTIME = _runtime(self._vllm_config, next(iter(kv_caches.values())).device, self._budget, self._idle_s)
 
     def _plan(self, st: _Step) -> Plan | None:
         if st.server:
@@ -394,7 +429,7 @@ class KVCMASConnector(KVConnectorBase_V1):
                 RUNTIME.captured(st.key)
 
 
-def _runtime(vllm_config, device, budget: int | None) -> WorkerRuntime:
+def _runtime(vllm_config, device, budget: int | None, idle_s: float = SESSION_IDLE_S) -> WorkerRuntime:
     """The worker's runtime: model facts from vLLM's config, K/V on the cache's device. Under tensor
     parallelism every rank has its own, on its own KV heads (``n_kv`` is the rank's head count)."""
     from .inprocess import eos_ids, model_facts
@@ -403,4 +438,18 @@ def _runtime(vllm_config, device, budget: int | None) -> WorkerRuntime:
     n_kv = mc.get_num_kv_heads(vllm_config.parallel_config)
     shards = HeadShards.from_vllm(vllm_config)
     facts = model_facts(mc.hf_config, mc.dtype, device, n_kv=n_kv, keep_ready=True, shards=shards)
-    return WorkerRuntime(facts, eos_ids(mc.hf_config), budget, layers=LazyLayers(vllm_config, facts))
+    if budget is None:
+        budget = default_budget(vllm_config, device)
+    return WorkerRuntime(facts, eos_ids(mc.hf_config), budget, layers=LazyLayers(vllm_config, facts), idle_s=idle_s)
+
+
+def default_budget(vllm_config, device) -> int:
+    """The worker's byte budget when none is set: a share of the memory vLLM leaves unused. On CUDA
+    half of what ``gpu_memory_utilization`` leaves of the device (this K/V sits outside vLLM's own
+    accounting); on CPU a quarter of the host memory available now."""
+    if getattr(device, "type", str(device)) == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(total * max(0.0, 1.0 - vllm_config.cache_config.gpu_memory_utilization) / 2)
+    import psutil
+
+    return int(psutil.virtual_memory().available / 4)

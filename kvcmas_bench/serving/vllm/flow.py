@@ -520,7 +520,9 @@ class TrajectoryRun:
                 method_stats={k: v - a.before.get(k, 0) for k, v in after.items() if v != a.before.get(k, 0)},
             )
         )
-        rec = step_record(self.steps[-1], len(self.steps) - 1, self.rt.facts.n_layers, trajectory=self.id)
+        # the agent's position in the trajectory (in finishing order when agents run one at a time;
+        # on the server, where siblings of a fan-out may be in flight at once, the index they were sent with)
+        rec = step_record(self.steps[-1], self.index, self.rt.facts.n_layers, trajectory=self.id)
         rec.qps, rec.arrival_s, rec.start_s = self.qps, a.arrival_s, a.start_s
         rec.first_token_s, rec.completion_s = a.first_token_s, t
         rec.queue_s = a.start_s - a.arrival_s

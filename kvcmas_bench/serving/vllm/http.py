@@ -34,15 +34,18 @@ from urllib.parse import urlparse
 from ...errors import BenchError
 from ...methods import Method, MethodSpec
 from ...results.request import RequestRecord
-from ..engines import Schedules, ServeResult
+from ..engines import EngineLost, Schedules, ServeResult
 from ..traces import Trace
 from .flow import agent_output
+from .guard import PROTOCOL, expected_salt, new_secret
 from .inprocess import ServedModel, eos_ids
 from .options import parse_engine_options
 from .worker import agent_params, calibrate_params, capture_params, report_params
 
 CONNECTOR_MODULE = "kvcmas_bench.serving.vllm.connector"
 CONNECTOR_CLASS = "KVCMASConnector"
+#: the API server's edge check of kv_transfer_params (:mod:`.edge`), loaded with ``--middleware``
+EDGE_MIDDLEWARE = "kvcmas_bench.serving.vllm.edge.KVCMASGuard"
 SERVED_NAME = "kvcmas-model"
 SERVER = (
     "vLLM continuous batching behind its OpenAI-compatible server (`vllm serve` with KVCMASConnector), "
@@ -128,6 +131,7 @@ def serve_command(model: str, port: int, dtype: str, opts: ServerOptions, cpu: b
     cmd = launcher(model, opts.vllm_bin) + ["--host", host, "--port", str(port)]
     cmd += ["--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0"]
     cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(opts.budget_gib))]
+    cmd += ["--middleware", EDGE_MIDDLEWARE]
     cmd += ["--enable-prefix-caching" if opts.prefix_caching else "--no-enable-prefix-caching"]
     # the connector hands finished requests' outputs to the worker in the next step's metadata and
     # reads captures right after each forward; it is not checked under overlapped (async) scheduling
@@ -252,11 +256,16 @@ class HTTP:
         return http.client.HTTPConnection(self.host, self.port, timeout=3600)
 
     def post(self, body: dict) -> dict:
-        c = self._conn()
-        c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        r = c.getresponse()
-        data = r.read()
-        c.close()
+        try:
+            c = self._conn()
+            c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            r = c.getresponse()
+            data = r.read()
+            c.close()
+        except (OSError, http.client.HTTPException) as exc:
+            raise ServerLost(
+                f"the vLLM server at {self.host}:{self.port} was lost ({type(exc).__name__}: {exc})"
+            ) from None
         if r.status != 200:
             raise BenchError(f"vLLM server answered {r.status}: {data[:300].decode(errors='replace')}")
         return json.loads(data)
@@ -274,7 +283,18 @@ class HTTP:
         return data.decode(errors="replace") if r.status == 200 else None
 
     def stream(self, body: dict, clock) -> Streamed:
+        """One streamed completion; a stream that breaks off (no ``[DONE]``, a cut chunk, a lost
+        connection) is a failed request (:class:`ServerLost`), never a short answer."""
+        try:
+            return self._stream(body, clock)
+        except (OSError, http.client.HTTPException, json.JSONDecodeError) as exc:
+            raise ServerLost(
+                f"the vLLM server at {self.host}:{self.port} broke off a stream ({type(exc).__name__}: {exc})"
+            ) from None
+
+    def _stream(self, body: dict, clock) -> Streamed:
         out = Streamed(clock())
+        done = False
         c = self._conn()
         c.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
         r = c.getresponse()
@@ -289,6 +309,7 @@ class HTTP:
                 continue
             data = line[6:]
             if data == b"[DONE]":
+                done = True
                 break
             chunk = json.loads(data)
             if "error" in chunk:
@@ -301,14 +322,21 @@ class HTTP:
                     if lp:
                         out.first_logprobs = {int(k.split(":", 1)[1]): float(v) for k, v in lp[0].items()}
                 out.tokens += toks
-        out.done_s = clock()
         c.close()
+        if not done:
+            raise ServerLost(f"the vLLM server at {self.host}:{self.port} ended a stream without [DONE]")
+        out.done_s = clock()
         return out
+
+
+class ServerLost(EngineLost):
+    """The server went away or broke off a response: the request failed."""
 
 
 @dataclass
 class ClientSession:
-    """One prepared method: its worker-side session id, and what the client must send for it."""
+    """One prepared method: its worker-side session (named by its secret, :func:`~.guard.new_secret`),
+    and what the client must send for it."""
 
     id: str
     name: str
@@ -317,6 +345,8 @@ class ClientSession:
     #: the method's name in the sweep (its records' ``method``)
     label: str = ""
     sent_refs: dict = field(default_factory=dict)
+    #: system prompts captured on the worker for this session (they end with it)
+    system_sent: set = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -412,7 +442,6 @@ class VLLMServerEngine(ServedModel):
             self.base_url = f"http://127.0.0.1:{port}"
         self.http = HTTP(self.base_url)
         self.max_model_len = opts.max_model_len or int(getattr(self.config, "max_position_embeddings", 4096) or 4096)
-        self.system_sent: set = set()
         self.logprobs: int | None = None
         #: the worker's session figures after each served QPS point (:meth:`serve`), in
         #: ``describe()["worker_reports"]``, hence in the sweep's ``config.json``
@@ -468,7 +497,12 @@ class VLLMServerEngine(ServedModel):
             body["logprobs"] = self.logprobs
         if params is not None:
             body["kv_transfer_params"] = params
-        if salt:
+        meta = (params or {}).get(PROTOCOL)
+        if isinstance(meta, dict):  # salted in the session's namespace (the server's edge does the same)
+            if salt:
+                meta["salt"] = salt
+            body["cache_salt"] = expected_salt(meta)
+        elif salt:
             body["cache_salt"] = salt
         return body
 
@@ -486,9 +520,9 @@ class VLLMServerEngine(ServedModel):
                 segs = a.segments
                 if len(segs) > 1 and segs[0]["kind"] == "PF" and segs[0]["ids"] and segs[1]["kind"] == "PH":
                     ids = tuple(segs[0]["ids"])
-                    if ids not in self.system_sent:
+                    if ids not in sess.system_sent:
                         self._request(ids, 1, capture_params(sess.id, "system"), salt=self._key())
-                        self.system_sent.add(ids)
+                        sess.system_sent.add(ids)
 
     def _reference(self, sess: ClientSession, ids: tuple[int, ...]) -> None:
         """A context-free prefill of shared content, once per content per session (the worker keeps
@@ -546,7 +580,7 @@ class VLLMServerEngine(ServedModel):
                 ignore_eos=self.ignore_eos,
                 calibrating=calibrating,
             )
-            salt = f"{sess.id}-{qps}" + (f"-{key}" if sess.name != "nonshared" else "")
+            salt = f"{qps}" + (f"-{key}" if sess.name != "nonshared" else "")
             max_tokens = 1 if stop_first else req.max_new_tokens + 1
             got = self.http.stream(self._body(req.prompt_ids, max_tokens, params, salt), now)
             # the worker's definition of the output, on the same tokens: what its record and the next
@@ -590,9 +624,14 @@ class VLLMServerEngine(ServedModel):
         with sess.lock:  # the worker dropped the session's references: the next point sends its own
             sess.sent_refs.clear()
         params = resp.get("kv_transfer_params") or {}
+        if params.get("kvcmas_error"):
+            raise BenchError(f"the vLLM server refused the report: {params['kvcmas_error']}")
         reports = params.get("kvcmas_reports")
         if reports is None:
             raise BenchError("the vLLM server did not answer the report (is it running KVCMASConnector?)")
+        failed = next((r["error"] for r in reports if "error" in r and "kvcmas_key" not in r), None)
+        if failed:
+            raise BenchError(f"the vLLM worker could not answer the report: {failed}")
         session = {**next((r["session"] for r in reports if "session" in r), {}), **params.get("kvcmas_scheduler", {})}
         return session, {r.pop("kvcmas_key"): r for r in reports if "kvcmas_key" in r}
 
@@ -646,7 +685,7 @@ class VLLMServerEngine(ServedModel):
             raise BenchError(f"--engine vllm cannot run {spec.name}: {reason}")
         m = spec()
         sess = ClientSession(
-            f"{spec.name}-{uuid.uuid4().hex[:8]}",
+            new_secret(),
             spec.cls.name,
             dict(spec.kwargs),
             m.reuse_from == "reference",
@@ -691,7 +730,9 @@ class VLLMServerEngine(ServedModel):
         self.last_sent = self._serve_point(sess, [trace], None, qps)
         return self._records(sess, self.last_sent, qps)
 
-    def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult:
+    def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules, on_point=None) -> ServeResult:
+        """Every QPS point served on the deployment (the session's method state carries over from
+        one point to the next); ``on_point`` gets each point's records as it completes."""
         sess = method._kvcmas_session  # type: ignore[attr-defined]
         self._system_prompts(sess, traces)
         timelines = {}
@@ -701,6 +742,8 @@ class VLLMServerEngine(ServedModel):
             check = ttft_cross_check(before, self._server_ttft(len(sent), before), sent)
             timelines[q] = self._records(sess, sent, q)
             self.point_reports.append({**point_report(sess.label or sess.name, traces, q, self.last_session), **check})
+            if on_point is not None:
+                on_point(q, timelines[q])
         self.report(sess, end=True)
         return ServeResult(timelines, None)
 

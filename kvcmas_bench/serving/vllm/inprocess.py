@@ -354,13 +354,16 @@ class VLLMInProcessEngine(ServedModel):
         self.rss_reset = reset_peaks()
         return m
 
-    def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules) -> ServeResult:
-        """Every QPS point served for real (method state carries over from one point to the next)."""
+    def serve(self, method: Method, traces: Sequence[Trace], schedules: Schedules, on_point=None) -> ServeResult:
+        """Every QPS point served for real (method state carries over from one point to the next);
+        ``on_point`` gets each point's records as it completes."""
         self.system_prompts(traces)
         timelines: dict[float, list[RequestRecord]] = {}
         for q, arrivals in schedules.items():
             runs = [TrajectoryRun(self.rt, tr, method, capture_outputs=True, qps=q) for tr in traces]
             timelines[q] = self._client().serve(runs, None if arrivals is None else list(arrivals))
+            if on_point is not None:
+                on_point(q, timelines[q])
         return ServeResult(timelines, None)
 
 

@@ -44,10 +44,11 @@ from ...segments import Request, Segment, SegmentKV
 from ...workflow import Node
 from ...workloads.base import Role
 from .flow import EngineRequest, ModelFacts, NeedKV, Runtime, TrajectoryRun, plans_nothing
+from .guard import PROTOCOL, VERSION, session_tag
 from .plan import Capture, Plan
 
-PROTOCOL = "kvcmas"
-VERSION = 1
+#: seconds a session may sit idle (no request, report or end) before the worker drops it
+SESSION_IDLE_S = 900.0
 
 
 # ---- the wire format (client side) ------------------------------------------------------------
@@ -129,13 +130,6 @@ def report_params(session: str, end: bool = False) -> dict:
     return {PROTOCOL: {"v": VERSION, "op": "report", "session": session, "end": end}}
 
 
-def params_of(request) -> dict | None:
-    """The kvcmas metadata of a vLLM request, or None."""
-    p = getattr(request, "kv_transfer_params", None) or {}
-    meta = p.get(PROTOCOL)
-    return meta if isinstance(meta, dict) and meta.get("v") == VERSION else None
-
-
 def _traj_key(meta: dict) -> tuple:
     return (meta.get("session"), meta.get("trajectory"))
 
@@ -192,6 +186,10 @@ class Live:
     error: str | None = None
     #: the scheduler side waits for this request's claim (:func:`waits_for_plan`)
     waits: bool = True
+    #: the agent's own state and position (several agents of one trajectory may be in flight at
+    #: once, a fan-out: the trajectory is pointed at this one before any of its work runs, :meth:`on`)
+    agent: object | None = None
+    index: int = 0
     #: when the worker heard of it (``time.perf_counter``), and how long its plan waited for the
     #: method thread after that (other jobs ahead of it)
     arrived: float = field(default_factory=time.perf_counter)
@@ -288,10 +286,16 @@ class WorkerRuntime:
     """Method work next to vLLM's KV cache (see the module docstring). ``budget_bytes`` bounds the
     K/V held for live trajectories and captured references (least recently used go first)."""
 
-    def __init__(
-        self, facts: ModelFacts, eos_ids: set[int], budget_bytes: int | None = None, rank: int = 0, layers=None
+    def __init__(  # noqa: PLR0913
+        self,
+        facts: ModelFacts,
+        eos_ids: set[int],
+        budget_bytes: int | None = None,
+        rank: int = 0,
+        layers=None,
+        idle_s: float = SESSION_IDLE_S,
     ):
-        self.facts, self.eos_ids, self.budget = facts, set(eos_ids), budget_bytes
+        self.facts, self.eos_ids, self.budget, self.idle_s = facts, set(eos_ids), budget_bytes, idle_s
         #: partial forwards on the served model (:class:`~.layers.LazyLayers`; None in tests without vLLM)
         self.layers = layers
         #: under tensor parallelism: this rank's KV heads and the group's collectives (:mod:`.tp`)
@@ -300,7 +304,13 @@ class WorkerRuntime:
         #: rank 0 answers the scheduler and keeps the records; the other ranks plan the same
         #: requests on their own heads, in the same order, and answer nothing
         self.publishes = self.rank == 0
-        self.system_kv: dict[tuple[int, ...], SegmentKV] = {}
+        #: every map below is keyed by a session's secret (:mod:`.guard`): nothing crosses sessions.
+        #: Each session's agents' system-prompt K/V (exact; captured by prefill-only requests)
+        self.system_kv: dict[str, dict[tuple[int, ...], SegmentKV]] = {}
+        #: when each session last sent anything (``time.monotonic``): idle ones expire (:meth:`_expire`)
+        self.touched: dict[str, float] = {}
+        #: sessions expired for idleness so far
+        self.expired = 0
         #: context-free references per session (captured before the session's first agent may
         #: exist), each session's ``facts.ready``; dropped at the session's every report
         self.references: dict[str, dict[tuple[int, ...], SegmentKV]] = {}
@@ -379,7 +389,8 @@ class WorkerRuntime:
             facts = copy.copy(self.facts)  # the model's facts, with this session's references
             with self.lock:
                 facts.ready = self._references(name)
-            rt = Runtime(facts, system_kv=self.system_kv, eos_ids=self.eos_ids, layers=self.layers)
+                system = self.system_kv.setdefault(name, {})
+            rt = Runtime(facts, system_kv=system, eos_ids=self.eos_ids, layers=self.layers)
             rt.ignore_eos = bool(meta.get("ignore_eos", True))
             s = Session(method, rt)
             self.sessions[name] = s
@@ -389,11 +400,29 @@ class WorkerRuntime:
         """The session's references (its ``facts.ready``); the caller holds :attr:`lock`."""
         return self.references.setdefault(str(session), {})
 
+    def _expire(self) -> None:
+        """Drop every session idle for more than :attr:`idle_s` (its trajectories, references and
+        system prompts): a client that vanished leaves nothing behind. Method thread only."""
+        cutoff = time.monotonic() - self.idle_s
+        with self.lock:
+            stale = [name for name, t in self.touched.items() if t < cutoff]
+            busy = {str(live.meta.get("session")) for live in self.live.values()}
+            stale = [name for name in stale if name not in busy]
+            for name in stale:
+                self.touched.pop(name, None)
+                self.references.pop(name, None)
+                self.system_kv.pop(name, None)
+        for name in stale:
+            if self.sessions.pop(name, None) is not None:
+                self.expired += 1
+
     # ---- what the connector calls ----------------------------------------------------------------
     def new_request(self, req_id: str, meta: dict, prompt: list[int]) -> None:
         """A request with kvcmas metadata reached the worker: plan it (agents), or get its capture
         ready (prefill-only requests), or answer it (reports), off the engine's thread."""
         op = meta.get("op")
+        with self.lock:
+            self.touched[str(meta.get("session"))] = time.monotonic()
         if op == "capture":
             k, v = self.facts.empty(len(prompt))
             with self.lock:
@@ -415,6 +444,7 @@ class WorkerRuntime:
         sess = traj = plan = None
         claim, error, outcome = 0, None, ""
         try:
+            self._expire()
             sess = self.session(meta)
             traj = sess.trajectories.get(meta["trajectory"])
             if traj is None:
@@ -427,6 +457,7 @@ class WorkerRuntime:
             node, req = request_from(meta, prompt)
             traj.index = int(meta["index"])
             traj.begin_request(node, req, 0.0)
+            same_tokens(req, traj.agent.sources)
             got = traj.plan()
             if isinstance(got, NeedKV):
                 raise RuntimeError(
@@ -437,6 +468,7 @@ class WorkerRuntime:
             if list(got.prompt) != list(prompt):
                 raise RuntimeError("the plan's prompt differs from the request's")
             traj.submitted(0.0)
+            live.agent, live.index = traj.agent, traj.index
             plan = got.plan
             claim = min(plan.prefix_len if plan is not None else 0, len(prompt) - 1)
             outcome = "|".join(f"{m}:{r.status}" for m, r in zip(traj.agent.modes, traj.agent.records))
@@ -509,18 +541,16 @@ class WorkerRuntime:
                 kv = SegmentKV(k=live.capture.k, v=live.capture.v, start=0, ids=live.ids)
                 with self.lock:
                     if live.meta.get("what") == "system":
-                        self.system_kv[live.ids] = kv
+                        self.system_kv.setdefault(str(live.meta.get("session")), {})[live.ids] = kv
                     else:
                         self._references(live.meta.get("session"))[live.ids] = kv
             return
         if live.plan is None or live.prompt_done or live.trajectory is None:
             return
-        agent = live.trajectory.agent
+        agent = live.agent
         if agent is not None and all(c.complete for c in agent.captures):
             live.prompt_done = True
-            self.submit(
-                lambda: live.trajectory.first_token(0.0, None), trajectory=_traj_key(live.meta), kind="first_token"
-            )
+            self.submit(lambda: on(live).first_token(0.0, None), trajectory=_traj_key(live.meta), kind="first_token")
 
     def finished(self, req_id: str, output: list[int]) -> None:
         """The request completed with ``output`` tokens: chain its caches and write its record."""
@@ -543,7 +573,7 @@ class WorkerRuntime:
             if sess is not None:
                 sess.reports.append({"kvcmas_key": meta["key"], "error": live.error or "not planned"})
             return
-        traj, sess = live.trajectory, live.session
+        traj, sess = on(live), live.session
         try:
             if not live.prompt_done and traj.agent is not None:
                 traj.first_token(0.0, None)
@@ -562,6 +592,18 @@ class WorkerRuntime:
             sess.trajectories.pop(meta["trajectory"], None)
 
     def _report(self, req_id: str, meta: dict) -> None:
+        """Answer a report (or its error: a failed step never leaves the request waiting)."""
+        try:
+            out = self._report_out(meta)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            out = [{"error": f"{type(exc).__name__}: {exc}"}]
+        if self.publishes:
+            with self.lock:
+                self.answers[req_id] = out
+
+    def _report_out(self, meta: dict) -> list:
+        self._expire()
         sess = self.sessions.get(meta["session"])
         out: list = []
         self._note_held()  # the peak, references included
@@ -572,9 +614,12 @@ class WorkerRuntime:
             out, sess.reports = sess.reports, []
             done, sess.completed_bytes = sess.completed_bytes, []
             extra = {
+                "session": session_tag(meta["session"]),
                 "method_state_bytes": sess.method.state_bytes(),
                 "live_trajectories": len(sess.trajectories),
                 "trajectories_evicted": sess.evicted,
+                "sessions_expired": self.expired,
+                "budget_bytes": self.budget,
                 "held_bytes": held,
                 # the worker's whole K/V store (every session), at its highest since the previous report
                 "held_peak_bytes": self.held_peak,
@@ -603,19 +648,39 @@ class WorkerRuntime:
         if meta.get("end"):
             with self.lock:
                 self.references.pop(str(meta["session"]), None)
+                self.system_kv.pop(str(meta["session"]), None)
+                self.touched.pop(str(meta["session"]), None)
         self.held_peak = self.held_bytes()  # the next report's peak starts from what is held now
-        if self.publishes:
-            with self.lock:
-                self.answers[req_id] = out
+        return out
 
     # ---- memory --------------------------------------------------------------------------------
     def held_bytes(self) -> int:
-        """K/V this worker holds for live trajectories, references and system prompts."""
-        kvs = list(self.system_kv.values()) + [kv for refs in list(self.references.values()) for kv in refs.values()]
-        for s in self.sessions.values():
-            for traj in s.trajectories.values():
-                kvs += [kv for hist in traj.store.values() for _, kv in hist]
-        return _unique_bytes(kvs)
+        """The ledger: every tensor this worker holds (live trajectories' K/V, references, system
+        prompts, and in-flight requests' plans and capture buffers), each storage once."""
+        kvs = [kv for held in (self.system_kv, self.references) for kvs in list(held.values()) for kv in kvs.values()]
+        for s in list(self.sessions.values()):
+            for traj in list(s.trajectories.values()):
+                kvs += [kv for hist in list(traj.store.values()) for _, kv in hist]
+        return _unique_bytes(kvs) + self.inflight_bytes()
+
+    def inflight_bytes(self) -> int:
+        """Bytes of in-flight requests' plans (prefix, overrides) and capture buffers, each storage once."""
+        with self.lock:
+            lives = list(self.live.values())
+        tensors = []
+        for live in lives:
+            plan = live.plan if live.capture is None else Plan(captures=[live.capture])
+            if plan is None:
+                continue
+            tensors += list(plan.prefix or ()) + [t for _, k, v in plan.overrides for t in (k, v)]
+            tensors += [t for c in plan.captures for t in (c.k, c.v)]
+        seen, total = set(), 0
+        for t in tensors:
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        return total
 
     def _note_held(self) -> int:
         """:meth:`held_bytes` now, folded into the peak. Called on the method thread after a
@@ -628,19 +693,21 @@ class WorkerRuntime:
         return held
 
     def _evict(self, current: Session) -> None:
-        """Beyond the budget: drop references, then whole trajectories, least recently used first
-        (never the one being served); a later agent of an evicted trajectory finds no source."""
+        """Beyond the budget: drop references, then system prompts, then whole trajectories, least
+        recently used first (never the one being served); a later agent of an evicted trajectory finds
+        no source, an agent whose system prompt went computes it. When nothing is left to drop, the
+        request being planned is refused (served densely with the error) rather than the budget passed."""
         if self.budget is None:
             return
-        while self._note_held() > self.budget:
-            refs = next((r for r in self.references.values() if r), None)
+        while (held := self._note_held()) > self.budget:
+            refs = next((r for held in (self.references, self.system_kv) for r in held.values() if r), None)
             if refs is not None:
                 with self.lock:
                     refs.pop(next(iter(refs)))
                 continue
             victims = [(s, t) for s in self.sessions.values() for t in list(s.trajectories)[:-1]]
             if not victims:
-                return
+                raise MemoryError(f"the worker holds {held} bytes, over its budget of {self.budget} (budget_gib)")
             s, t = victims[0]
             s.trajectories.pop(t)
             s.evicted += 1
@@ -652,6 +719,25 @@ class WorkerRuntime:
             answers, self.answers = self.answers, {}
             errors, self.errors = self.errors, {}
         return claims, answers, errors
+
+
+def on(live: Live) -> TrajectoryRun:
+    """``live``'s trajectory, pointed at ``live``'s agent (method thread only: the jobs of one
+    trajectory never run at once, so each finds its own agent there)."""
+    traj = live.trajectory
+    traj.agent, traj.index = live.agent, live.index
+    return traj
+
+
+def same_tokens(req: Request, sources: dict[str, SegmentKV]) -> None:
+    """A source is reused only under its own tokens: every shared segment with a source must hold
+    exactly the source's token ids (a request may not borrow K/V it did not send the tokens of)."""
+    for seg in req.segments:
+        src = sources.get(seg.slot) if seg.kind == "PH" else None
+        if src is not None and src.ids is not None and tuple(src.ids) != tuple(seg.ids):
+            raise ValueError(
+                f"segment {seg.slot!r}: its tokens differ from its source's, which is not reused under them"
+            )
 
 
 def _unique_bytes(kvs) -> int:

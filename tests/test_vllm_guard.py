@@ -1,0 +1,281 @@
+"""The connector's safety without vLLM: the wire-format check (field by field, and a few hundred
+malformed payloads), the scheduler side's screen, the API server's edge middleware (driven as ASGI),
+capabilities, and the worker's liveness and memory rules (budget, ledger, idle expiry)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import gc
+import json
+import time
+
+import psutil
+import pytest
+import torch
+
+import kvcmas_bench.methods  # noqa: F401  (registers the methods)
+from kvcmas_bench.serving.vllm import guard
+from kvcmas_bench.serving.vllm.edge import KVCMASGuard
+from kvcmas_bench.serving.vllm.flow import ModelFacts
+from kvcmas_bench.serving.vllm.worker import WorkerRuntime, capture_params, report_params
+
+from .kv_fuzz import PROMPT, malformed, valid
+
+SECRET = "0123456789abcdef0123456789abcdef"
+
+
+def _agent(**changes) -> dict:
+    meta = copy.deepcopy(valid(SECRET)["agent"])
+    for k, v in changes.items():
+        if v is ...:
+            meta.pop(k)
+        else:
+            meta[k] = v
+    return {"kvcmas": meta}
+
+
+def _reason(params, **kw) -> str:
+    with pytest.raises(guard.Invalid) as exc:
+        guard.check(params, **kw)
+    return str(exc.value)
+
+
+# ---- the schema ------------------------------------------------------------------------------------
+def test_valid_payloads_of_every_op_pass_and_plain_requests_carry_none():
+    for op, meta in valid(SECRET).items():
+        got = guard.check({"kvcmas": meta}, prompt_len=len(PROMPT) if op == "agent" else None, max_tokens=3)
+        assert got is meta
+    assert guard.check(None) is None
+    assert guard.check({"kvcmas_key": "k7"}, in_process=True) is None  # the in-process engine's key
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"v": 2}, "'v' must be 1"),
+        ({"v": True}, "'v' must be 1"),
+        ({"op": "drop_all"}, "'op' must be one of"),
+        ({"session": "victim"}, "'session' must be the session's secret"),
+        ({"session": "ABCDEF0123456789ABCDEF0123456789"}, "'session' must be the session's secret"),
+        ({"session": 12345}, "'session' must be the session's secret"),
+        ({"method": "nosuch"}, "unknown method 'nosuch'"),
+        ({"method": ["kvcmas"]}, "'method' must be a non-empty printable string"),
+        ({"options": {"tau": 1.0}}, "method 'fullshared' has no option 'tau'"),
+        ({"options": []}, "'options' must be an object"),
+        ({"trajectory": ""}, "'trajectory' must be a non-empty printable string"),
+        ({"trajectory": "t" * 201}, "'trajectory' must be a non-empty printable string"),
+        ({"trajectory": "a\u0000b"}, "'trajectory' must be a non-empty printable string"),
+        ({"index": -1}, "'index' must be an integer in [0, 4095]"),
+        ({"index": 1.0}, "'index' must be an integer"),
+        ({"index": 2**70}, "'index' must be an integer"),
+        ({"agent": None}, "'agent' must be a non-empty printable string"),
+        ({"node": 5}, "'node' must be a non-empty printable string"),
+        ({"ancestors": [1]}, "'ancestors' must be distinct indices of earlier agents"),
+        ({"ancestors": [0, 0]}, "'ancestors' must be distinct indices of earlier agents"),
+        ({"ancestors": ["0"]}, "'ancestors' must be a list of agent indices"),
+        ({"segments": []}, "'segments' must be a list of 1 to 4096 segments"),
+        ({"segments": {"kind": "PF"}}, "'segments' must be a list"),
+        ({"segments": [{"kind": "PF", "n": 8, "x": 1}]}, "segment 0 must be an object with 'kind', 'n'"),
+        ({"segments": [{"kind": "PX", "n": 8}]}, "segment 0: 'kind' must be PF or PH"),
+        ({"segments": [{"kind": "PF", "n": 0}, {"kind": "PF", "n": 8}]}, "'n' must be an integer in [1, 16777216]"),
+        ({"segments": [{"kind": "PH", "n": 8}]}, "segment 0: a PH segment needs a 'slot'"),
+        ({"segments": [{"kind": "PH", "n": 8, "slot": "q", "schedule": "always"}]}, "'schedule' must be dense"),
+        ({"segments": [{"kind": "PF", "n": 7}]}, "the segments cover 7 tokens, the prompt has 8"),
+        ({"max_new_tokens": 4}, "'max_new_tokens' (4) exceeds the request's max_tokens (3)"),
+        ({"max_new_tokens": "2"}, "'max_new_tokens' must be an integer"),
+        ({"last": "no"}, "'last' must be true or false"),
+        ({"capture_output": 1}, "'capture_output' must be true or false"),
+        ({"key": ...}, "missing field 'key' for op 'agent'"),
+        ({"segments": ...}, "missing field 'segments' for op 'agent'"),
+        ({"what": "system"}, "unknown field 'what' for op 'agent'"),
+        ({"salt": ["x"]}, "'salt' must be a non-empty printable string"),
+    ],
+)
+def test_every_field_of_an_agent_request_is_checked(changes, words):
+    assert words in _reason(_agent(**changes), prompt_len=len(PROMPT), max_tokens=3)
+
+
+def test_the_shape_around_the_metadata_is_checked():
+    assert "must be an object" in _reason([1])
+    assert "'kvcmas' must be an object" in _reason({"kvcmas": [1]})
+    assert "unknown kv_transfer_params key 'do_remote_prefill'" in _reason({"kvcmas": {}, "do_remote_prefill": 1})
+    assert "in-process engine's" in _reason({"kvcmas_key": []})  # the request that killed the server
+    assert "'kvcmas_key' must be a string" in _reason({"kvcmas_key": []}, in_process=True)
+    cap = valid(SECRET)["capture"]
+    assert "'what' must be system or reference" in _reason({"kvcmas": {**cap, "what": "weights"}})
+    assert "missing field 'what'" in _reason({"kvcmas": {k: v for k, v in cap.items() if k != "what"}})
+    assert "'end' must be true or false" in _reason({"kvcmas": {**valid(SECRET)["report"], "end": "yes"}})
+
+
+def test_a_few_hundred_malformed_payloads_are_each_refused_with_one_line():
+    payloads = malformed(SECRET, 400)
+    reasons = set()
+    for p in payloads:
+        reason = _reason(p, prompt_len=len(PROMPT), max_tokens=3)  # Invalid, never anything else
+        assert "\n" not in reason and len(reason) < 300
+        reasons.add(reason.split(":")[0])
+    assert len(payloads) == 400 and len(reasons) >= 15  # they break many different rules
+
+
+# ---- capabilities --------------------------------------------------------------------------------
+def test_a_session_secret_has_128_random_bits_and_its_public_tag_does_not_reveal_it():
+    a, b = guard.new_secret(), guard.new_secret()
+    assert len(a) == 32 and int(a, 16) >= 0 and a != b
+    tag = guard.session_tag(a)
+    assert a not in tag and tag == guard.session_tag(a) and tag != guard.session_tag(b)
+    assert "'session' must be the session's secret" in _reason({"kvcmas": {**valid(SECRET)["report"], "session": tag}})
+    # salts: per session and label, never equal across sessions
+    assert guard.salt_for(a, "1.0") != guard.salt_for(b, "1.0") != guard.salt_for(b, "2.0")
+
+
+class _Req:
+    def __init__(self, params, salt=None, prompt=PROMPT, max_tokens=3):
+        self.kv_transfer_params, self.cache_salt = params, salt
+        self.num_prompt_tokens, self.max_tokens = len(prompt), max_tokens
+
+
+def test_the_scheduler_side_screen_refuses_bad_metadata_and_foreign_salts_without_raising():
+    params = _agent()
+    salt = guard.expected_salt(params["kvcmas"])
+    assert guard.screen_request(_Req(params, salt)) == (params["kvcmas"], None)
+    meta, why = guard.screen_request(_Req(params, None))  # no salt: injected blocks would be shareable
+    assert meta is None and "cache_salt is not its session's" in why
+    meta, why = guard.screen_request(_Req(params, guard.salt_for(guard.new_secret())))
+    assert meta is None and "cache_salt" in why
+    assert guard.screen_request(_Req({"kvcmas_key": []}))[1].startswith("invalid kv_transfer_params")
+    assert guard.screen_request(_Req(None)) == (None, None)
+
+    class _Broken:  # a request whose attributes raise: still no exception
+        @property
+        def kv_transfer_params(self):
+            raise RuntimeError("boom")
+
+    assert guard.screen_request(_Broken()) == (None, "invalid kv_transfer_params (RuntimeError)")
+
+
+# ---- the edge middleware ---------------------------------------------------------------------------
+def _asgi(body: bytes, chunks: int = 1):
+    """Drive :class:`KVCMASGuard` once: what the inner app saw, and what the client got."""
+    seen, sent = {}, []
+
+    async def app(scope, receive, send):
+        msg = await receive()
+        seen["body"], seen["headers"] = msg["body"], dict(scope["headers"])
+        seen["next"] = await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    parts = [body[i::chunks] for i in range(1)] if chunks == 1 else [body[: len(body) // 2], body[len(body) // 2 :]]
+    queue = [{"type": "http.request", "body": p, "more_body": i < len(parts) - 1} for i, p in enumerate(parts)]
+    queue.append({"type": "http.disconnect"})
+
+    async def receive():
+        return queue.pop(0)
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-length", b"1")]}
+    asyncio.run(KVCMASGuard(app)(scope, receive, send))
+    return seen, sent
+
+
+def test_the_edge_answers_bad_metadata_with_400_and_one_line_before_vllm_sees_it():
+    seen, sent = _asgi(
+        json.dumps({"prompt": PROMPT, "max_tokens": 3, "kv_transfer_params": {"kvcmas_key": []}}).encode()
+    )
+    assert not seen and sent[0]["status"] == 400
+    err = json.loads(sent[1]["body"])["error"]
+    assert (
+        err["code"] == 400 and err["message"].startswith("invalid kv_transfer_params: ") and "\n" not in err["message"]
+    )
+
+
+def test_the_edge_salts_every_kvcmas_request_in_its_sessions_namespace_whatever_the_client_sent():
+    params = _agent()
+    body = {"prompt": PROMPT, "max_tokens": 3, "kv_transfer_params": params, "cache_salt": "shared-by-all"}
+    seen, sent = _asgi(json.dumps(body).encode(), chunks=2)
+    got = json.loads(seen["body"])
+    assert got["cache_salt"] == guard.salt_for(SECRET, "") and got["kv_transfer_params"] == params
+    assert seen["headers"][b"content-length"] == str(len(seen["body"])).encode()
+    assert seen["next"] == {"type": "http.disconnect"}  # a streaming response still hears the client leave
+    plain = json.dumps({"prompt": PROMPT, "max_tokens": 3}).encode()
+    assert _asgi(plain)[0]["body"] == plain  # plain requests pass unchanged
+    assert _asgi(b"{not json")[0]["body"] == b"{not json"  # vLLM answers what it cannot parse
+
+
+# ---- the worker: a source only under its own tokens, liveness, memory ---------------------------------
+def test_a_source_is_reused_only_under_identical_tokens():
+    from kvcmas_bench.segments import Request, Segment, SegmentKV
+    from kvcmas_bench.serving.vllm.worker import same_tokens
+
+    src = SegmentKV(k=torch.zeros(1, 1, 3, 2), v=torch.zeros(1, 1, 3, 2), start=0, ids=(5, 6, 7))
+    ok = Request("B", [Segment("PF", [1]), Segment("PH", [5, 6, 7], slot="q")], 1)
+    same_tokens(ok, {"q": src})
+    forged = Request("B", [Segment("PF", [1]), Segment("PH", [0, 0, 0], slot="q")], 1)
+    with pytest.raises(ValueError, match="tokens differ from its source's"):
+        same_tokens(forged, {"q": src})
+
+
+def _rt(**kw) -> WorkerRuntime:
+    return WorkerRuntime(ModelFacts(torch.ones(4), 2, 1, 8, torch.float32, "cpu", keep_ready=True), set(), **kw)
+
+
+def _capture(rt, rid, session, what, ids):
+    rt.new_request(rid, capture_params(session, what)["kvcmas"], list(ids))
+    cap = rt.plan_of(rid).captures[0]
+    cap.k.normal_(), cap.v.normal_(), cap.filled.fill_(True)
+    rt.captured(rid)
+    rt.finished(rid, [1])
+
+
+def test_a_report_whose_step_fails_is_answered_with_the_error():
+    rt = _rt()
+    rt.sessions["0" * 32] = object()  # a broken session: its report raises inside the worker
+    rt.new_request("rep", report_params("0" * 32)["kvcmas"], [1])
+    rt.drain()
+    (answer,) = rt.take_answers()[1]["rep"]
+    assert answer["error"].startswith("AttributeError")
+
+
+def test_the_ledger_counts_in_flight_capture_buffers():
+    rt = _rt()
+    rt.new_request("c1", capture_params("a" * 32, "system")["kvcmas"], list(range(16)))
+    assert rt.held_bytes() == 2 * (2 * 1 * 16 * 8 * 4)  # the capture buffers, before anything is kept
+    rt.finished("c1", [1])  # abandoned before its K/V was complete: nothing stays
+    assert rt.held_bytes() == 0
+
+
+def test_captures_beyond_the_budget_are_evicted_and_idle_sessions_expire():
+    """Bytes by hand: one 8-token capture is 2 layers x 1 head x 8 tokens x 8 dims x 4 bytes, K and V
+    = 1024 bytes; a budget of 3000 keeps two."""
+    rt = _rt(budget_bytes=3000, idle_s=0.2)
+    for i in range(6):  # six abandoned sessions, each with a system prompt and a reference
+        _capture(rt, f"s{i}", f"{i:032x}", "system", range(10 * i, 10 * i + 8))
+        _capture(rt, f"r{i}", f"{i:032x}", "reference", range(100 + i, 108 + i))
+    assert rt.held_bytes() == 12 * 1024
+    rt._evict(None)
+    assert rt.held_bytes() <= 3000
+    time.sleep(0.3)
+    rt.new_request("rep", report_params("f" * 32)["kvcmas"], [1])  # any method-thread job expires them
+    rt.drain()
+    assert rt.held_bytes() == 0 and not rt.system_kv and not rt.references and set(rt.touched) == {"f" * 32}
+
+
+def test_expired_sessions_give_their_memory_back_to_the_process():
+    """Large captures (mmap-sized) of abandoned sessions: after expiry the process's RSS is back
+    within allocator slack (16 MiB) of where it started."""
+    rt = _rt(idle_s=0.2)
+    rt.facts = ModelFacts(torch.ones(32), 8, 8, 64, torch.float32, "cpu", keep_ready=True)  # 32 KiB per token
+    gc.collect()
+    start = psutil.Process().memory_info().rss
+    for i in range(8):
+        _capture(rt, f"s{i}", f"{i:032x}", "reference", range(1000 * i, 1000 * i + 1024))  # 32 MiB each
+    grown = psutil.Process().memory_info().rss - start
+    assert rt.held_bytes() == 8 * 1024 * 32 * 1024 and grown > 200 * 2**20
+    time.sleep(0.3)
+    rt.new_request("rep", report_params("f" * 32)["kvcmas"], [1])
+    rt.drain()
+    gc.collect()
+    assert rt.held_bytes() == 0
+    assert psutil.Process().memory_info().rss - start < 16 * 2**20
