@@ -246,12 +246,14 @@ def serve_cmd(
     port: int = typer.Option(8000, help="Port to listen on."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     device: Device = "auto",
-    dtype: Dtype = "float32",
+    dtype: Dtype = "auto",
     engine_arg: EngineArg = None,
     dry_run: DryRun = False,
 ) -> None:
     """Start `vllm serve` with the KVCMAS connector (the deployment `serve-sweep --engine vllm
-    --engine-arg base_url=http://HOST:PORT` benchmarks). Prints the exact command, then runs it."""
+    --engine-arg base_url=http://HOST:PORT` benchmarks). Prints the exact command, then runs it.
+    --dtype auto (the default here): bfloat16 on CUDA, float32 on CPU. The command loads the
+    connector's edge check of kv_transfer_params (--middleware), which a shared deployment needs."""
     import os
     import shlex
 
@@ -259,7 +261,8 @@ def serve_cmd(
     from .serving.vllm.http import ServerOptions, _dtype_arg, _has_cuda, serve_command, server_env
     from .serving.vllm.inprocess import _resolve_model
 
-    resolve_dtype(dtype)  # the command's own options first, then what it needs installed
+    if dtype != "auto":
+        resolve_dtype(dtype)  # the command's own options first, then what it needs installed
     resolve_device(device)
     if not 0 < port < 65536:
         raise BenchError(f"--port must lie in [1, 65535], got {port}")

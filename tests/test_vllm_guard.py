@@ -279,3 +279,18 @@ def test_expired_sessions_give_their_memory_back_to_the_process():
     gc.collect()
     assert rt.held_bytes() == 0
     assert psutil.Process().memory_info().rss - start < 16 * 2**20
+
+
+def test_the_deployment_loads_the_edge_check_and_serves_bfloat16_on_cuda_by_default():
+    import sys
+
+    from kvcmas_bench.serving.vllm.http import ServerOptions, _dtype_arg, serve_command
+
+    cmd = serve_command("m", 8000, _dtype_arg("auto", cpu=False), ServerOptions(vllm_bin=sys.executable), cpu=False)
+    assert cmd[cmd.index("--middleware") + 1] == "kvcmas_bench.serving.vllm.edge.KVCMASGuard"
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert _dtype_arg("auto", cpu=True) == "float32" and _dtype_arg("float16", cpu=False) == "float16"
+    from kvcmas_bench.serving.vllm import edge
+
+    mod, name = cmd[cmd.index("--middleware") + 1].rsplit(".", 1)
+    assert mod == edge.__name__ and callable(getattr(edge, name))

@@ -999,3 +999,38 @@ def _report(secret):
     from kvcmas_bench.serving.vllm.worker import report_params
 
     return report_params(secret, end=True)
+
+
+@needs_vllm
+def test_the_workers_ledger_is_on_vllms_metrics_and_equals_the_reports(srv):
+    """A FullShared trajectory left live (agent 0 finished, its caches held): ``/metrics`` shows the
+    worker's ledger, equal to the figure the session's report gives, and the budget."""
+    from kvcmas_bench.serving.vllm.guard import new_secret
+    from kvcmas_bench.serving.vllm.worker import report_params
+
+    secret = new_secret()
+    _first_agent(srv, secret, _traces(srv, 1, ctx=96, seed=31)[0], "t-ledger")
+    (fig,) = [
+        r["session"]
+        for r in srv._request([1], 1, report_params(secret), salt="r")["kv_transfer_params"]["kvcmas_reports"]
+        if "session" in r
+    ]
+    assert fig["held_bytes"] > 0 and fig["budget_bytes"] > fig["held_bytes"]
+    seen = None
+    for _ in range(40):  # figures travel with engine steps, at most every 0.5 s
+        time.sleep(0.3)
+        _plain(srv, [1, 2, 3])
+        text = srv.http.get_text("/metrics") or ""
+        seen = {
+            name: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            for name in ("vllm:kvcmas_worker_held_bytes", "vllm:kvcmas_worker_budget_bytes")
+            if line.startswith(name + "{")
+        }
+        if seen.get("vllm:kvcmas_worker_held_bytes") == fig["held_bytes"]:
+            break
+    assert seen == {
+        "vllm:kvcmas_worker_held_bytes": fig["held_bytes"],
+        "vllm:kvcmas_worker_budget_bytes": fig["budget_bytes"],
+    }
+    srv._request([1], 1, report_params(secret, end=True), salt="r")

@@ -165,6 +165,31 @@ class KVCMASConnector(KVConnectorBase_V1):
         self._since: dict[str, float] = {}
 
     @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        """The worker ledger's figures as vLLM's connector stats (:mod:`.stats`)."""
+        from .stats import LedgerStats
+
+        return LedgerStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """The ledger's gauges on ``/metrics`` (:mod:`.stats`)."""
+        from .stats import LedgerMetrics
+
+        return LedgerMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self):
+        """Worker side, after each step: the ledger's figures when they changed."""
+        if RUNTIME is None:
+            return None
+        figures = RUNTIME.ledger_figures()
+        if figures is None:
+            return None
+        from .stats import LedgerStats
+
+        return LedgerStats(data={str(RUNTIME.rank): figures})
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config) -> bool:
         """Overrides run per layer (``wait_for_layer_load``) between attention pieces."""
         return True

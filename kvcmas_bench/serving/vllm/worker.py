@@ -311,6 +311,9 @@ class WorkerRuntime:
         self.touched: dict[str, float] = {}
         #: sessions expired for idleness so far
         self.expired = 0
+        #: the ledger figures last sent to ``/metrics`` and when (:meth:`ledger_figures`)
+        self._ledger_sent: dict | None = None
+        self._ledger_at = float("-inf")
         #: context-free references per session (captured before the session's first agent may
         #: exist), each session's ``facts.ready``; dropped at the session's every report
         self.references: dict[str, dict[tuple[int, ...], SegmentKV]] = {}
@@ -662,6 +665,23 @@ class WorkerRuntime:
             for traj in list(s.trajectories.values()):
                 kvs += [kv for hist in list(traj.store.values()) for _, kv in hist]
         return _unique_bytes(kvs) + self.inflight_bytes()
+
+    def ledger_figures(self, min_interval_s: float = 0.5) -> dict | None:
+        """The ledger's figures for ``/metrics`` (:mod:`.stats`), when they changed since the last
+        ones returned and at least ``min_interval_s`` later; else None. Engine thread: the method
+        thread may be changing what it counts, so a count that raced it is skipped."""
+        now = time.monotonic()
+        if now - self._ledger_at < min_interval_s:
+            return None
+        self._ledger_at = now
+        try:
+            figures = {"held_bytes": self.held_bytes(), "budget_bytes": self.budget, "sessions": len(self.sessions)}
+        except RuntimeError:  # a dict changed size under the count: the next step counts again
+            return None
+        if figures == self._ledger_sent:
+            return None
+        self._ledger_sent = figures
+        return figures
 
     def inflight_bytes(self) -> int:
         """Bytes of in-flight requests' plans (prefix, overrides) and capture buffers, each storage once."""
