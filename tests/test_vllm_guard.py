@@ -294,3 +294,37 @@ def test_the_deployment_loads_the_edge_check_and_serves_bfloat16_on_cuda_by_defa
 
     mod, name = cmd[cmd.index("--middleware") + 1].rsplit(".", 1)
     assert mod == edge.__name__ and callable(getattr(edge, name))
+
+
+def test_every_method_thread_job_waits_for_the_last_steps_capture_copies_first():
+    """On CUDA the connector records an event after a step's capture copies (queued on the engine's
+    stream); a job of the method thread synchronizes it before it reads anything."""
+    rt = _rt()
+    order = []
+
+    class _Event:
+        def synchronize(self):
+            order.append("synchronized")
+
+    rt.step_event = _Event()
+    rt.submit(lambda: order.append("job"))
+    rt.drain()
+    assert order[:2] == ["synchronized", "job"]
+
+
+@pytest.mark.parametrize(
+    ("arg", "words"),
+    [
+        ({"session_idle_s": "-1"}, "session_idle_s must be a positive number, got -1.0"),
+        ({"deadline_s": "inf"}, "deadline_s must be a positive number"),
+        ({"budget_gib": "0"}, "budget_gib must be a positive number"),
+    ],
+)
+def test_the_deployments_limits_must_be_positive(arg, words):
+    from kvcmas_bench.errors import BenchError
+    from kvcmas_bench.serving.vllm.http import ServerOptions, kv_transfer_config
+
+    with pytest.raises(BenchError, match=words):
+        ServerOptions.parse(arg)
+    extra = kv_transfer_config(0.5, 30.0, 10.0)["kv_connector_extra_config"]
+    assert extra == {"budget_gib": 0.5, "session_idle_s": 30.0, "deadline_s": 10.0}

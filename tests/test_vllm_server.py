@@ -1034,3 +1034,108 @@ def test_the_workers_ledger_is_on_vllms_metrics_and_equals_the_reports(srv):
         "vllm:kvcmas_worker_budget_bytes": fig["budget_bytes"],
     }
     srv._request([1], 1, report_params(secret, end=True), salt="r")
+
+
+# ---- the scheduler side without a server: deadlines and refusals -------------------------------------
+def _scheduler(deadline_s: float):
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvcmas_bench.serving.vllm.connector import KVCMASConnector
+
+    ktc = SimpleNamespace(kv_connector_extra_config={"deadline_s": deadline_s})
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=32),
+        kv_transfer_config=ktc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
+    return KVCMASConnector(cfg, KVConnectorRole.SCHEDULER)
+
+
+class _Req:
+    def __init__(self, rid, params, prompt=8, max_tokens=1):
+        from kvcmas_bench.serving.vllm.guard import check, expected_salt
+
+        self.request_id, self.kv_transfer_params, self.max_tokens = rid, params, max_tokens
+        self.num_prompt_tokens, self.prompt_token_ids, self.output_token_ids = prompt, [1] * prompt, []
+        try:
+            meta = check(params, prompt, max_tokens)
+            self.cache_salt = expected_salt(meta) if meta else None
+        except Exception:  # noqa: BLE001  (a malformed request: no salt)
+            self.cache_salt = None
+
+
+@needs_vllm
+def test_a_report_the_worker_never_answers_goes_on_after_the_deadline_with_the_reason():
+    from kvcmas_bench.serving.vllm.guard import new_secret
+    from kvcmas_bench.serving.vllm.worker import report_params
+
+    sched = _scheduler(deadline_s=0.2)
+    req = _Req("rep-1", report_params(new_secret()))
+    assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # waits for the worker's answer
+    time.sleep(0.3)
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # gives up: the request goes on
+    _, answer = sched.request_finished(req, [])
+    assert answer == {"kvcmas_error": "TimeoutError: no answer from the worker within 0.2 s"}
+    assert not sched._server and not sched._meta and not sched._since  # nothing left behind
+
+
+@needs_vllm
+def test_the_scheduler_side_refuses_what_slipped_past_the_edge_in_one_token_without_raising():
+    """What killed EngineCore (a list as ``kvcmas_key``), and a request whose salt is not its
+    session's: answered 0 tokens claimed, cut to one output token, the reason in the response."""
+    from kvcmas_bench.serving.vllm.guard import new_secret
+    from kvcmas_bench.serving.vllm.worker import report_params
+
+    sched = _scheduler(deadline_s=300)
+    for params in ({"kvcmas_key": []}, {"kvcmas_key": {"a": 1}}, report_params(new_secret())):
+        req = _Req("bad", params, max_tokens=50)
+        req.cache_salt = "forged"
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert req.max_tokens == 1
+        _, answer = sched.request_finished(req, [])
+        assert answer["kvcmas_error"].startswith("invalid kv_transfer_params")
+
+
+# ---- memory on a shared deployment ----------------------------------------------------------------------
+@needs_vllm
+def test_many_requests_and_abandoned_sessions_stay_in_a_small_budget_and_expire(tiny_dir):
+    """A deployment with a 1 MiB budget and 2 s idle expiry: 30 short NonShared requests and 16
+    sessions that each leave a FullShared trajectory behind (never ended). After every few sessions
+    the ledger is under the budget (older trajectories evicted); once idle, every abandoned session
+    expires, the ledger is 0, and the worker's RSS is back within allocator slack of where it
+    started."""
+    import psutil
+
+    from kvcmas_bench.serving import get_engine
+    from kvcmas_bench.serving.vllm.guard import new_secret
+    from kvcmas_bench.serving.vllm.worker import report_params
+
+    b = get_engine(
+        "vllm", model=tiny_dir, dtype="float32", budget_gib=1 / 1024, session_idle_s=2.0, warmup=False, **SERVER_ARGS
+    )
+    b.logprobs = 5
+    try:
+        (worker,) = [p for p in psutil.Process(b.server_proc.proc.pid).children(recursive=True) if "Worker" in p.name()]
+        budget = 2**20
+
+        def figures():
+            reports = b._request([1], 1, report_params(new_secret(), end=True), salt="r")["kv_transfer_params"]
+            return next(r["session"] for r in reports["kvcmas_reports"] if "session" in r)
+
+        for i in range(30):
+            _plain(b, list(range(10 + i, 60 + i)))
+        rss0 = worker.memory_info().rss
+        traces = _traces(b, 16, ctx=96, seed=40)
+        for i, tr in enumerate(traces):
+            _first_agent(b, new_secret(), tr, f"abandoned-{i}")
+            if i % 4 == 3:
+                fig = figures()
+                assert fig["budget_bytes"] == budget and 0 < fig["held_bytes"] <= budget
+        time.sleep(2.5)
+        fig = figures()  # a job on the method thread: the idle sessions expire first
+        assert fig["held_bytes"] == 0 and fig["sessions_expired"] >= 16
+        assert worker.memory_info().rss - rss0 < 64 * 2**20
+    finally:
+        b.close()

@@ -434,6 +434,7 @@ class KVCMASConnector(KVConnectorBase_V1):
     def _save(self) -> None:
         meta = self._get_connector_metadata()
         self._overrides = []
+        copied = False
         for st in meta.steps:
             plan = self._plan(st)
             for cap in plan.captures if plan is not None else ():
@@ -450,6 +451,13 @@ class KVCMASConnector(KVConnectorBase_V1):
                     cap.k[li, :, rows] = k.transpose(0, 1).to(cap.k.dtype)
                     cap.v[li, :, rows] = v.transpose(0, 1).to(cap.v.dtype)
                 cap.filled[rows] = True
+                copied = True
+            if copied and RUNTIME is not None and cap.k.is_cuda:
+                # the copies are queued on the engine's stream; the method thread waits for this event
+                event = torch.cuda.Event()
+                event.record()
+                RUNTIME.step_event = event
+                copied = False
             if st.server and RUNTIME is not None:
                 RUNTIME.captured(st.key)
 

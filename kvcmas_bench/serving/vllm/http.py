@@ -76,8 +76,14 @@ class ServerOptions:
     enforce_eager: bool = False
     #: stop every request at its first token (the paper's TTFT setting, B.4)
     stop_at_first_token: bool = False
-    #: worker-side byte budget for held K/V (GiB; None: unbounded; per tensor-parallel rank)
+    #: worker-side byte budget for everything the methods hold (GiB, per tensor-parallel rank; None:
+    #: on CUDA half of what gpu_memory_utilization leaves of the device, on CPU a quarter of the
+    #: host memory available at start)
     budget_gib: float | None = None
+    #: seconds a session may sit idle before the worker drops it with everything it holds
+    session_idle_s: float | None = None
+    #: seconds the scheduler holds a request for its plan or answer before it goes on with an error
+    deadline_s: float | None = None
     #: tensor-parallel ranks (``--tensor-parallel-size``): each rank's worker runs the methods on its
     #: own KV heads, the gate's distances summed over all of them (see :mod:`.tp`)
     tensor_parallel_size: int = 1
@@ -94,8 +100,11 @@ class ServerOptions:
         return parse_engine_options(cls, options)
 
 
-def kv_transfer_config(budget_gib: float | None = None) -> dict:
-    extra = {"budget_gib": budget_gib} if budget_gib else {}
+def kv_transfer_config(
+    budget_gib: float | None = None, session_idle_s: float | None = None, deadline_s: float | None = None
+) -> dict:
+    given = {"budget_gib": budget_gib, "session_idle_s": session_idle_s, "deadline_s": deadline_s}
+    extra = {k: v for k, v in given.items() if v}
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -130,7 +139,8 @@ def serve_command(model: str, port: int, dtype: str, opts: ServerOptions, cpu: b
     """The command line of a vLLM deployment with the connector (``vllm serve`` and its flags)."""
     cmd = launcher(model, opts.vllm_bin) + ["--host", host, "--port", str(port)]
     cmd += ["--served-model-name", SERVED_NAME, "--dtype", dtype, "--seed", "0"]
-    cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(opts.budget_gib))]
+    config = kv_transfer_config(opts.budget_gib, opts.session_idle_s, opts.deadline_s)
+    cmd += ["--kv-transfer-config", json.dumps(config)]
     cmd += ["--middleware", EDGE_MIDDLEWARE]
     cmd += ["--enable-prefix-caching" if opts.prefix_caching else "--no-enable-prefix-caching"]
     # the connector hands finished requests' outputs to the worker in the next step's metadata and

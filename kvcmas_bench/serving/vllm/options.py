@@ -16,7 +16,8 @@ T = TypeVar("T")
 def parse_engine_options(cls: type[T], options: dict, engine: str = "vllm") -> T:
     """``cls(**options)`` with every value converted to its field's type (``-`` in a key read as
     ``_``; a ``str`` field keeps a string as given), then checked: every integer field positive
-    (None allowed where the field is optional), ``gpu_memory_utilization`` in (0, 1]. One
+    (None allowed where the field is optional), every float field positive and finite,
+    ``gpu_memory_utilization`` in (0, 1]. One
     ``BenchError`` line for an unknown key, a value of the wrong type or out of range."""
     known = {f.name: f for f in fields(cls)}
     out = {}
@@ -31,6 +32,8 @@ def parse_engine_options(cls: type[T], options: dict, engine: str = "vllm") -> T
         v = getattr(opts, f.name)
         if "int" in str(f.type) and v is not None and v < 1:
             raise BenchError(f"--engine-arg {f.name} must be a positive integer, got {v}")
+        if "float" in str(f.type) and v is not None and not (0 < v < float("inf")):
+            raise BenchError(f"--engine-arg {f.name} must be a positive number, got {v}")
     if "gpu_memory_utilization" in known and not 0 < opts.gpu_memory_utilization <= 1:
         raise BenchError(f"--engine-arg gpu_memory_utilization must lie in (0, 1], got {opts.gpu_memory_utilization}")
     return opts

@@ -311,6 +311,10 @@ class WorkerRuntime:
         self.touched: dict[str, float] = {}
         #: sessions expired for idleness so far
         self.expired = 0
+        #: CUDA: an event recorded on the engine's stream after the last step's capture copies; every
+        #: method-thread job waits for it first (the copies were only queued on that stream, and the
+        #: method thread reads them from another thread); None on CPU, where the copies are done
+        self.step_event = None
         #: the ledger figures last sent to ``/metrics`` and when (:meth:`ledger_figures`)
         self._ledger_sent: dict | None = None
         self._ledger_at = float("-inf")
@@ -367,6 +371,9 @@ class WorkerRuntime:
         def job() -> None:
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
+                event = self.step_event
+                if event is not None:  # the captures this job may read are on the device by now
+                    event.synchronize()
                 fn()
             finally:
                 self.busy_by_kind[kind] = self.busy_by_kind.get(kind, 0.0) + time.perf_counter() - t0
@@ -449,14 +456,7 @@ class WorkerRuntime:
         try:
             self._expire()
             sess = self.session(meta)
-            traj = sess.trajectories.get(meta["trajectory"])
-            if traj is None:
-                method = self._recorder(sess) if meta.get("calibrating") else sess.method
-                traj = TrajectoryRun(
-                    sess.rt, None, method, bool(meta.get("capture_output", True)), trajectory_id=meta["trajectory"]
-                )
-                sess.trajectories[meta["trajectory"]] = traj
-            sess.trajectories.move_to_end(meta["trajectory"])
+            traj = self._trajectory(sess, meta)
             node, req = request_from(meta, prompt)
             traj.index = int(meta["index"])
             traj.begin_request(node, req, 0.0)
@@ -475,10 +475,12 @@ class WorkerRuntime:
             plan = got.plan
             claim = min(plan.prefix_len if plan is not None else 0, len(prompt) - 1)
             outcome = "|".join(f"{m}:{r.status}" for m, r in zip(traj.agent.modes, traj.agent.records))
-            self._evict(sess)
+            self._evict(traj)
         except Exception as exc:  # serve it dense, say why in its record
             traceback.print_exc()
             error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, MemoryError) and sess is not None:  # over budget: keep nothing of it
+                sess.trajectories.pop(meta["trajectory"], None)
         if self.shards is not None and self.shards.world > 1:
             # one outcome for the whole TP group: the tokens claimed and every segment's mode and status
             lo, hi, failed = self.shards.agree([claim, zlib.crc32(outcome.encode())], error is not None)
@@ -497,6 +499,19 @@ class WorkerRuntime:
                 self.claims[req_id] = claim
                 if error:
                     self.errors[req_id] = error
+
+    def _trajectory(self, sess: Session, meta: dict) -> TrajectoryRun:
+        """The request's trajectory in its session (new for its first agent), marked as just used."""
+        traj = sess.trajectories.get(meta["trajectory"])
+        if traj is None:
+            method = self._recorder(sess) if meta.get("calibrating") else sess.method
+            traj = TrajectoryRun(
+                sess.rt, None, method, bool(meta.get("capture_output", True)), trajectory_id=meta["trajectory"]
+            )
+            sess.trajectories[meta["trajectory"]] = traj
+        sess.trajectories.move_to_end(meta["trajectory"])
+        traj.used = time.monotonic()
+        return traj
 
     @staticmethod
     def _recorder(sess: Session):
@@ -593,6 +608,12 @@ class WorkerRuntime:
         if meta.get("last"):
             sess.completed_bytes.append(_unique_bytes(kv for hist in traj.store.values() for _, kv in hist))
             sess.trajectories.pop(meta["trajectory"], None)
+            return
+        try:  # the chained caches count from now: back under the budget before anything else runs
+            self._evict(traj)
+        except MemoryError:  # this trajectory alone is over the budget: its later agents find no source
+            if sess.trajectories.pop(meta["trajectory"], None) is not None:
+                sess.evicted += 1
 
     def _report(self, req_id: str, meta: dict) -> None:
         """Answer a report (or its error: a failed step never leaves the request waiting)."""
@@ -606,55 +627,68 @@ class WorkerRuntime:
                 self.answers[req_id] = out
 
     def _report_out(self, meta: dict) -> list:
+        """The session's records since its previous report, after one figures entry: the worker's
+        own (memory ledger, method work; given to any session's report, as on ``/metrics``) and, for
+        a session the worker holds, the session's."""
         self._expire()
-        sess = self.sessions.get(meta["session"])
-        out: list = []
+        name = str(meta["session"])
+        sess = self.sessions.get(name)
         self._note_held()  # the peak, references included
         with self.lock:  # in place: the session's facts hold this dict
-            self.references.get(str(meta["session"]), {}).clear()
-        held = self.held_bytes()  # what stays after the point: system prompts, other sessions' K/V
+            self.references.get(name, {}).clear()
+        figures = {"session": session_tag(name), **self._worker_figures()}
+        out: list = []
         if sess is not None:
             out, sess.reports = sess.reports, []
-            done, sess.completed_bytes = sess.completed_bytes, []
-            extra = {
-                "session": session_tag(meta["session"]),
-                "method_state_bytes": sess.method.state_bytes(),
-                "live_trajectories": len(sess.trajectories),
-                "trajectories_evicted": sess.evicted,
-                "sessions_expired": self.expired,
-                "budget_bytes": self.budget,
-                "held_bytes": held,
-                # the worker's whole K/V store (every session), at its highest since the previous report
-                "held_peak_bytes": self.held_peak,
-                # this session's trajectories whose last agent finished since the previous report
-                "trajectories_completed": len(done),
-                "trajectory_bytes_at_completion_max": max(done) if done else None,
-                "trajectory_bytes_at_completion_mean": sum(done) / len(done) if done else None,
-                "method_work_s": self.busy_s,
-                # the same by kind of job, as method_work_<kind>_s: plan (gate, corrections),
-                # first_token (anchor updates after the first token), finish (chaining, records), report
-                **{f"method_work_{k}_s": v for k, v in self.busy_by_kind.items()},
-                # and the method thread's CPU seconds of the same jobs, as method_cpu_<kind>_s
-                **{f"method_cpu_{k}_s": v for k, v in self.cpu_by_kind.items()},
-                "method_thread_blas_threads": self.blas_threads,
-                # "strided", "flat" or "flat,strided" (some layers each; a scalar: point reports keep it)
-                "kv_cache_access": ",".join(sorted(set(self.kv_access.values()))) or None,
-            }
-            layout = getattr(sess.method, "state_layout", None)
-            if callable(layout):
-                extra["method_state"] = layout()
-            if self.shards is not None:
-                extra["tensor_parallel"] = self.shards.describe()
-            out = [{"session": extra}] + out
+            figures.update(self._session_figures(sess))
             if meta.get("end"):
-                self.sessions.pop(meta["session"], None)
+                self.sessions.pop(name, None)
         if meta.get("end"):
             with self.lock:
-                self.references.pop(str(meta["session"]), None)
-                self.system_kv.pop(str(meta["session"]), None)
-                self.touched.pop(str(meta["session"]), None)
+                self.references.pop(name, None)
+                self.system_kv.pop(name, None)
+                self.touched.pop(name, None)
         self.held_peak = self.held_bytes()  # the next report's peak starts from what is held now
-        return out
+        return [{"session": figures}] + out
+
+    def _worker_figures(self) -> dict:
+        figures = {
+            "sessions_expired": self.expired,
+            "budget_bytes": self.budget,
+            # what stays after the point: system prompts, other sessions' K/V
+            "held_bytes": self.held_bytes(),
+            # the worker's whole K/V store (every session), at its highest since the previous report
+            "held_peak_bytes": self.held_peak,
+            "method_work_s": self.busy_s,
+            # the same by kind of job, as method_work_<kind>_s: plan (gate, corrections),
+            # first_token (anchor updates after the first token), finish (chaining, records), report
+            **{f"method_work_{k}_s": v for k, v in self.busy_by_kind.items()},
+            # and the method thread's CPU seconds of the same jobs, as method_cpu_<kind>_s
+            **{f"method_cpu_{k}_s": v for k, v in self.cpu_by_kind.items()},
+            "method_thread_blas_threads": self.blas_threads,
+            # "strided", "flat" or "flat,strided" (some layers each; a scalar: point reports keep it)
+            "kv_cache_access": ",".join(sorted(set(self.kv_access.values()))) or None,
+        }
+        if self.shards is not None:
+            figures["tensor_parallel"] = self.shards.describe()
+        return figures
+
+    @staticmethod
+    def _session_figures(sess: Session) -> dict:
+        done, sess.completed_bytes = sess.completed_bytes, []
+        figures = {
+            "method_state_bytes": sess.method.state_bytes(),
+            "live_trajectories": len(sess.trajectories),
+            "trajectories_evicted": sess.evicted,
+            # this session's trajectories whose last agent finished since the previous report
+            "trajectories_completed": len(done),
+            "trajectory_bytes_at_completion_max": max(done) if done else None,
+            "trajectory_bytes_at_completion_mean": sum(done) / len(done) if done else None,
+        }
+        layout = getattr(sess.method, "state_layout", None)
+        if callable(layout):
+            figures["method_state"] = layout()
+        return figures
 
     # ---- memory --------------------------------------------------------------------------------
     def held_bytes(self) -> int:
@@ -712,24 +746,28 @@ class WorkerRuntime:
         self.held_peak = max(self.held_peak, held)
         return held
 
-    def _evict(self, current: Session) -> None:
-        """Beyond the budget: drop references, then system prompts, then whole trajectories, least
-        recently used first (never the one being served); a later agent of an evicted trajectory finds
-        no source, an agent whose system prompt went computes it. When nothing is left to drop, the
-        request being planned is refused (served densely with the error) rather than the budget passed."""
+    def _evict(self, current: TrajectoryRun | None) -> None:
+        """Beyond the budget: drop references, then system prompts, then whole trajectories of any
+        session, least recently planned first (never ``current``, the one being served); a later
+        agent of an evicted trajectory finds no source, an agent whose system prompt went computes
+        it. When nothing is left to drop, the request being planned is refused (served densely with
+        the error, its trajectory dropped) rather than the budget passed: the ledger exceeds the
+        budget by at most one request's plan, and only while that request is being planned."""
         if self.budget is None:
             return
         while (held := self._note_held()) > self.budget:
-            refs = next((r for held in (self.references, self.system_kv) for r in held.values() if r), None)
-            if refs is not None:
+            kept = next((d for kind in (self.references, self.system_kv) for d in kind.values() if d), None)
+            if kept is not None:
                 with self.lock:
-                    refs.pop(next(iter(refs)))
+                    kept.pop(next(iter(kept)))
                 continue
-            victims = [(s, t) for s in self.sessions.values() for t in list(s.trajectories)[:-1]]
+            victims = [
+                (s, tid, t) for s in self.sessions.values() for tid, t in s.trajectories.items() if t is not current
+            ]
             if not victims:
                 raise MemoryError(f"the worker holds {held} bytes, over its budget of {self.budget} (budget_gib)")
-            s, t = victims[0]
-            s.trajectories.pop(t)
+            s, tid, _ = min(victims, key=lambda v: getattr(v[2], "used", 0.0))
+            s.trajectories.pop(tid)
             s.evicted += 1
 
     # ---- the scheduler side's answers ------------------------------------------------------------
