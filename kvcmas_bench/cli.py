@@ -455,12 +455,17 @@ def suite_cmd(
     repeats: int = typer.Option(
         1, help="Run every cell N times, repeat r with seed SEED+r (in DIR/repeat-r/); the report adds mean and std."
     ),
+    shard: str | None = typer.Option(
+        None,
+        help="K/N: run only the K-th of N disjoint slices of the cells (a job array); `report`/`compare` merge the N "
+        "shard directories into one suite.",
+    ),
     unsafe_sandbox: UnsafeSandbox = False,
     **shared,
 ) -> None:
     """Run a matrix of methods x workloads (one resumable run directory per cell, the same samples for
     every method, NonShared as the reference, always added) and write the report (Table 1, agreement,
-    Pareto plots)."""
+    Pareto plots). With --shard K/N, one slice of the cells into its own directory."""
     from .jobs.report import console_table1
     from .jobs.suite import SuiteOptions, run_suite
 
@@ -567,8 +572,10 @@ def report_cmd(
 
 @app.command("compare")
 def compare_cmd(
-    baseline: str = typer.Argument(..., help="Baseline run, suite or sweep directory."),
-    candidate: str = typer.Argument(..., help="Candidate directory of the same kind."),
+    baseline: str = typer.Argument(
+        ..., help="Baseline run, suite or sweep directory (a sharded suite: its shard directories, comma-separated)."
+    ),
+    candidate: str = typer.Argument(..., help="Candidate directory of the same kind (shards: comma-separated)."),
     max_accuracy_drop: str = typer.Option("0", help="Allowed accuracy drop: absolute (0.02) or relative (5%)."),
     max_agreement_drop: str = typer.Option(
         "0", help="Allowed drop of agreement with NonShared (answers, first tokens)."

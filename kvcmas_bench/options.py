@@ -55,7 +55,7 @@ Model = Annotated[
     ),
 ]
 Device = Annotated[str, typer.Option("--device", help="cpu, cuda, cuda:N or auto.")]
-Dtype = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16.")]
+Dtype = Annotated[str, typer.Option("--dtype", help="float32, bfloat16 or float16 (serve also: auto).")]
 DryRun = Annotated[
     bool,
     typer.Option(

@@ -26,6 +26,8 @@ PER_COMMAND_DEFAULTS = {
     "--limit": "run/suite evaluate every sample by default; ablations and analyses a small seeded subset",
     "--methods": "suite/serve-sweep: all; ablate: per KIND; analyze chain: the chained/non-chained pair",
     "--fidelity": "ablate records fidelity by default (its tables compare KV error against dense)",
+    "--dtype": "serve deploys (auto: bfloat16 on CUDA, float32 on CPU); the measuring commands use float32 everywhere "
+    "so numbers compare across engines",
 }
 #: (command, primary flag) -> why that command's option is another option under the same flag
 OTHER_MEANING = {

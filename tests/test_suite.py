@@ -222,3 +222,67 @@ def test_resumed_manifest_is_refused_or_reset_as_its_settings_demand(tmp_path):
         suite_job.resume_manifest(tmp_path, "ablate", {**settings, "seed": 1}, ("model", "seed"))
     _, states = suite_job.resume_manifest(tmp_path, "ablate", {**settings, "limit": 8}, ("model", "seed"))
     assert states == {"mmlu/kvcmas": {"path": "mmlu/kvcmas", "status": "pending", "n": 5}}
+
+
+# ---- sharded suites ------------------------------------------------------------------------------------
+DETERMINISTIC = ["accuracy", "answer_agreement", "first_token_agreement", "reuse_ratio", "kv_rel_error", "n"]
+
+
+def test_a_suite_run_as_two_shards_merges_into_the_same_table_1(one_layer_model_dir, tmp_path, capsys):
+    """Three cells (NonShared, FullShared, KVCMAS on MMLU) as one suite and as shards 1/2 and 2/2:
+    the shards hold disjoint cells (NonShared and KVCMAS in 1/2, FullShared in 2/2), the merged report
+    has the unsharded suite's Table 1 (every deterministic value), and compare of the two passes.
+    Hostile inputs: a shard twice, a missing shard, a suite beside its own shard, a shard whose
+    manifest claims another slice: one line each, exit 2."""
+    import json
+
+    from kvcmas_bench.jobs.report import build_report
+
+    common = ["--methods", "fullshared,kvcmas", "--fidelity"]
+    whole, s1, s2 = tmp_path / "whole", tmp_path / "s1", tmp_path / "s2"
+    assert run_cli(args(one_layer_model_dir, whole, *common)) == 0
+    assert run_cli(args(one_layer_model_dir, s1, *common, "--shard", "1/2")) == 0
+    assert run_cli(args(one_layer_model_dir, s2, *common, "--shard", "2/2")) == 0
+    cells = [sorted(json.loads((d / "suite.json").read_text())["cells"]) for d in (s1, s2)]
+    assert cells == [["mmlu/kvcmas", "mmlu/nonshared"], ["mmlu/fullshared"]]
+    t_whole = build_report([whole], tmp_path / "r0", ["md"], plots=False).table1.set_index("method")
+    merged = build_report([s1, s2], tmp_path / "r1", ["md"], plots=False)
+    t_merged = merged.table1.set_index("method")
+    cols = [c for c in DETERMINISTIC if c in t_whole]
+    assert sorted(t_merged.index) == sorted(t_whole.index) == ["fullshared", "kvcmas", "nonshared"]
+    assert t_merged.loc[t_whole.index, cols].equals(t_whole[cols])
+    assert any("merged from 2 shards" in line for line in (tmp_path / "r1" / "report.md").read_text().splitlines())
+    capsys.readouterr()
+    assert run_cli(["compare", str(whole), f"{s1},{s2}", "--no-timings"]) == 0
+    for dirs, words in (
+        ([s1, s1], "shard 1/2 given twice"),
+        ([s1], None),
+        ([s2, s2, s1], "shard 2/2 given twice"),
+        ([whole, s2], "hold the same cells"),
+    ):
+        if words is None:
+            assert (
+                run_cli(["report", *map(str, dirs), "-o", str(tmp_path / "alone"), "--format", "md", "--no-plots"]) == 0
+            )
+            continue
+        _refused(capsys, ["report", *map(str, dirs), "-o", str(tmp_path / "r"), "--no-plots"], words)
+    s3 = tmp_path / "s3"
+    assert run_cli(args(one_layer_model_dir, s3, *common, "--shard", "1/3")) == 0
+    _refused(capsys, ["report", str(s1), str(s2), str(s3), "--no-plots"], "split 2 and 3 ways")
+    s4 = tmp_path / "s4"
+    assert run_cli(args(one_layer_model_dir, s4, *common, "--shard", "2/3")) == 0
+    _refused(capsys, ["report", str(s3), str(s4), "--no-plots"], "shard(s) 3/3 missing")
+    forged = json.loads((s2 / "suite.json").read_text())
+    forged["cells"]["mmlu/kvcmas"] = {"workload": "mmlu", "method": "kvcmas", "path": "mmlu/kvcmas"}
+    (s2 / "suite.json").write_text(json.dumps(forged))
+    _refused(capsys, ["report", str(s1), str(s2), "--no-plots"], "lists cells outside its slice")
+    _refused(capsys, args(one_layer_model_dir, tmp_path / "x", "--shard", "3/2"), "must be K/N")
+    _refused(capsys, args(one_layer_model_dir, tmp_path / "y", *common, "--shard", "4/4"), "shard 4 would be empty")
+
+
+def _refused(capsys, argv, needle):
+    from .conftest import one_line
+
+    capsys.readouterr()
+    assert run_cli(argv) == 2
+    one_line(capsys, needle)

@@ -292,8 +292,16 @@ def check_comparable(b: Run, c: Run) -> None:
         )
 
 
+def side_dirs(arg: str) -> list[str]:
+    """One side of a comparison: a directory, or a sharded suite's shard directories given
+    comma-separated (``a/shard-1,a/shard-2``)."""
+    if "," not in arg or Path(arg).exists():
+        return [arg]
+    return [p for p in (x.strip() for x in arg.split(",")) if p]
+
+
 def _load_runs(path: str, side: str) -> Results:
-    res = load_dirs([path])
+    res = load_dirs(side_dirs(path))
     if not res.runs:
         raise BenchError(f"the {side} {path} holds no finished runs")
     return res
@@ -466,11 +474,13 @@ def compare(baseline: str, candidate: str, limits: Limits | None = None) -> Comp
     """Compare two run/suite directories or two sweep directories (BenchError: unusable input)."""
     lim = limits or Limits()
     lim.validate()
-    kb, kc = dir_kind(baseline), dir_kind(candidate)
+    kb, kc = dir_kind(side_dirs(baseline)[0]), dir_kind(side_dirs(candidate)[0])
     if (kb == "sweep") != (kc == "sweep"):
         raise BenchError(f"incomparable: the baseline is a {kb} directory and the candidate a {kc} directory")
+    if kb == "sweep" and len(side_dirs(baseline)) + len(side_dirs(candidate)) > 2:
+        raise BenchError("a sweep is compared as one directory on each side (comma-separated lists are suite shards)")
     cmp = compare_sweeps(baseline, candidate, lim) if kb == "sweep" else compare_runs(baseline, candidate, lim)
-    same = _sameness(Path(baseline), Path(candidate))
+    same = _sameness(Path(baseline), Path(candidate)) if "," not in baseline + candidate else None
     if same:
         cmp.notes.insert(0, same)
     return cmp

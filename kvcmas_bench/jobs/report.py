@@ -307,7 +307,7 @@ def sweep_sections(results: Results) -> list[Section]:
 
 def document(res: ReportResult) -> Document:
     results = res.results
-    intro = [f"{kind}: {path}" for path, kind in results.inputs.items()]
+    intro = [f"{kind}: {path}" for path, kind in results.inputs.items()] + list(results.notes)
     sections = table1_sections(res.table1) if not res.table1.empty else []
     sections += repeats_sections(res.repeats)
     acc = accounting_section(results)

@@ -26,6 +26,13 @@ Policy:
   unfinished sample. A different ``--limit`` re-enters every cell (each resumes its samples);
   different model, dtype, seed, token budgets, fidelity or method options are refused. More
   ``--repeats`` add cells (the repeats already done are kept).
+- ``--shard K/N`` runs the K-th of N disjoint slices of the cell list (cells ``i`` with
+  ``i % N == K - 1`` in plan order, NonShared first per workload as always), so a cluster's job
+  array can run one suite on N machines, each into its own directory. The manifest records the
+  shard and the whole plan (:func:`plan_id`: its cells and the settings that change results);
+  ``report`` and ``compare`` merge shard directories into one suite, refusing (one line) shards of
+  different plans... given twice, missing, or beside the unsharded suite of the same plan
+  (:func:`~kvcmas_bench.results.frames.check_shards`).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from pathlib import Path
 
 from ..errors import BenchError
 from ..methods import METHODS, expand_methods, resolve_methods
-from ..results.frames import read_json
+from ..results.frames import plan_id, read_json
 from ..results.outdir import lock_output_dir
 from ..results.records import write_json
 from ..settings import EvalSettings, cli, comma_items, derive
@@ -70,6 +77,8 @@ class SuiteOptions(EvalSettings):
     plots: bool = True
     #: runs of every cell, repeat r with seed ``seed + r``
     repeats: int = 1
+    #: ``(K, N)``: run only the K-th of N disjoint slices of the cells (``--shard K/N``)
+    shard: tuple[int, int] | None = cli(None, parse=lambda flag, v: parse_shard(flag, v))
 
     def settings(self) -> dict:
         keys = (*STRICT_KEYS, "limit", "device", *(("repeats",) if self.repeats != 1 else ()))
@@ -98,6 +107,27 @@ class SuiteResult:
     skipped: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     report: object = None
+
+
+def parse_shard(flag: str, value) -> tuple[int, int] | None:
+    """``K/N`` (1 <= K <= N) as ``(K, N)``; one line otherwise."""
+    if value is None or isinstance(value, tuple):
+        return value
+    k, sep, n = str(value).partition("/")
+    if not sep or not k.strip().isdigit() or not n.strip().isdigit() or not 1 <= int(k) <= int(n):
+        raise BenchError(f"{flag} must be K/N with 1 <= K <= N (the K-th of N slices), got {value!r}")
+    return int(k), int(n)
+
+
+def shard_cells(cells: list[Cell], shard: tuple[int, int] | None) -> list[Cell]:
+    """The cells of shard ``(K, N)``: every N-th cell of the plan from the K-th on (all: None)."""
+    if shard is None:
+        return cells
+    k, n = shard
+    mine = [c for i, c in enumerate(cells) if i % n == k - 1]
+    if not mine:
+        raise BenchError(f"--shard {k}/{n}: the suite has {len(cells)} cells, so shard {k} would be empty")
+    return mine
 
 
 def run_options(opts: SuiteOptions, cell: Cell) -> RunOptions:
@@ -171,10 +201,19 @@ def resume_manifest(out_dir: Path, command: str, settings: dict, strict_keys: tu
     return old, states
 
 
-def open_manifest(out_dir: Path, opts: SuiteOptions, cells: list[Cell]) -> dict:
-    """The manifest of ``out_dir``, new or resumed (refused when its settings differ)."""
+def open_manifest(out_dir: Path, opts: SuiteOptions, cells: list[Cell], planned: list[Cell] | None = None) -> dict:
+    """The manifest of ``out_dir``, new or resumed (refused when its settings differ). ``planned``:
+    a shard's whole plan (``cells`` are its own)."""
     settings = opts.settings()
     old, states = resume_manifest(out_dir, "suite", settings, STRICT_KEYS)
+    shard = None
+    if opts.shard is not None:
+        names = [c.name for c in planned or cells]
+        shard = {"index": opts.shard[0], "count": opts.shard[1], "plan": plan_id(settings, names), "cells": names}
+    if old and old.get("shard") != shard:
+        had = old.get("shard")
+        what = f"shard {had['index']}/{had['count']}" if isinstance(had, dict) else "the whole suite"
+        raise BenchError(f"{out_dir} holds {what} of a suite; use another --output-path")
     for c in cells:
         state = {"workload": c.workload, "method": c.method, "path": c.name, "status": "pending"}
         if c.repeat:
@@ -186,6 +225,7 @@ def open_manifest(out_dir: Path, opts: SuiteOptions, cells: list[Cell]) -> dict:
         "methods": list(dict.fromkeys([*old.get("methods", []), *(c.method for c in cells)])),
         "workloads": list(dict.fromkeys([*old.get("workloads", []), *(c.workload for c in cells)])),
         "cells": states,
+        **({"shard": shard} if shard else {}),
     }
 
 
@@ -208,10 +248,11 @@ def run_suite(opts: SuiteOptions, progress=None) -> SuiteResult:
         return _run_cells(opts, cells, out_dir, progress)
 
 
-def _run_cells(opts: SuiteOptions, cells: list[Cell], out_dir: Path, progress) -> SuiteResult:
+def _run_cells(opts: SuiteOptions, planned: list[Cell], out_dir: Path, progress) -> SuiteResult:
     from .report import build_report
 
-    manifest = open_manifest(out_dir, opts, cells)
+    cells = shard_cells(planned, opts.shard)
+    manifest = open_manifest(out_dir, opts, cells, planned)
     write_json(out_dir / "suite.json", manifest)
     res = SuiteResult(out_dir, cells, skipped=[c.name for c in cells if is_done(manifest["cells"][c.name], c.n)])
     if progress is not None:

@@ -20,6 +20,7 @@ twice is an error too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,6 +304,72 @@ def _unique_rows(path: Path, key: tuple[str, ...], what: str) -> list[tuple[int,
     return out
 
 
+#: suite settings that do not change what a suite evaluates (its shards may differ in them)
+LOCAL_SETTINGS = ("device",)
+
+
+def plan_id(settings: dict, cells: list[str]) -> str:
+    """The identity of a suite's plan: its cells and the settings that change results. A suite and
+    each of its shards (``suite --shard K/N``) have the same."""
+    kept = {k: v for k, v in settings.items() if k not in LOCAL_SETTINGS}
+    text = json.dumps({"settings": kept, "cells": sorted(map(str, cells))}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _shard_of(p: Path, manifest: dict) -> tuple[str, int | None, int | None]:
+    """(plan id, K, N) of a suite directory (K, N None: not a shard); a shard manifest whose plan,
+    slice or cells do not hold together is corrupt (one line)."""
+    shard = manifest.get("shard")
+    cells = manifest.get("cells") if isinstance(manifest.get("cells"), dict) else {}
+    if shard is None:
+        return plan_id(manifest.get("settings") or {}, list(cells)), None, None
+    bad = f"{p / 'suite.json'} is corrupt (its shard"
+    try:
+        k, n, names = int(shard["index"]), int(shard["count"]), [str(x) for x in shard["cells"]]
+        recorded = str(shard["plan"])
+    except (KeyError, TypeError, ValueError):
+        raise BenchError(f"{bad} is not {{index, count, plan, cells}})") from None
+    if not 1 <= k <= n or plan_id(manifest.get("settings") or {}, names) != recorded:
+        raise BenchError(f"{bad} record does not match its settings and cells)")
+    if set(cells) != {c for i, c in enumerate(names) if i % n == k - 1}:
+        raise BenchError(f"{bad} {k}/{n} lists cells outside its slice of the plan)")
+    return recorded, k, n
+
+
+def check_shards(paths: list[Path]) -> list[str]:
+    """Suite directories that are shards of one plan must merge into that whole plan: each shard
+    once, none missing, not beside the unsharded suite. One line otherwise. Returns a note per
+    merged suite ("suite of 2 shards: A, B")."""
+    groups: dict[str, list[tuple[Path, int | None, int | None]]] = {}
+    for p in paths:
+        plan, k, n = _shard_of(p, read_json(p / "suite.json"))
+        groups.setdefault(plan, []).append((p, k, n))
+    notes = []
+    for entries in groups.values():
+        shards = [e for e in entries if e[1] is not None]
+        if len(entries) > 1 and len(shards) < len(entries):
+            a, b = entries[0][0], entries[1][0]
+            raise BenchError(f"{a} and {b} hold the same cells (a suite and its shard, or one suite twice); give one")
+        if len(shards) < 2:
+            continue
+        counts = sorted({n for _, _, n in shards})
+        if len(counts) > 1:
+            raise BenchError(f"shards of one suite split {' and '.join(map(str, counts))} ways: give one split")
+        n, seen = counts[0], {}
+        for p, k, _ in shards:
+            if k in seen:
+                raise BenchError(f"shard {k}/{n} given twice ({seen[k]} and {p})")
+            seen[k] = p
+        missing = [k for k in range(1, n + 1) if k not in seen]
+        if missing:
+            raise BenchError(
+                f"shard(s) {', '.join(f'{k}/{n}' for k in missing)} missing: the merged suite would lack their cells "
+                f"(given {', '.join(f'{k}/{n}' for k in sorted(seen))})"
+            )
+        notes.append(f"one suite merged from {n} shards: {', '.join(str(seen[k]) for k in range(1, n + 1))}")
+    return notes
+
+
 def suite_cells(path: str | Path) -> list[Path]:
     """The run directories of a suite (cells not started yet are skipped); :func:`load_dirs` reads
     each with :func:`load_run`, so every cell is checked as a run directory is."""
@@ -329,6 +396,8 @@ class Results:
     sweeps: list[Sweep] = field(default_factory=list)
     #: kind of each input directory, in the order given
     inputs: dict[str, str] = field(default_factory=dict)
+    #: how the inputs were combined (shards merged into one suite)
+    notes: list[str] = field(default_factory=list)
 
     def runs_frame(self) -> pd.DataFrame:
         """One row per run: identity, settings and its figures recomputed from its records (never
@@ -378,8 +447,10 @@ def load_dirs(paths: list[str | Path]) -> Results:
     if not paths:
         raise BenchError("no directories given")
     res = Results()
+    kinds = {str(p): dir_kind(p) for p in paths}
+    res.notes = check_shards([Path(p) for p in paths if kinds[str(p)] == "suite"])
     for path in paths:
-        kind = dir_kind(path)
+        kind = kinds[str(path)]
         res.inputs[str(path)] = kind
         if kind == "sweep":
             res.sweeps.append(load_sweep(path))
