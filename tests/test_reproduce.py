@@ -213,3 +213,20 @@ def test_kill_9_mid_experiment_resumes_with_nothing_duplicated(tiny_model_dir, t
         assert len(reqs) == len(set(reqs)), p
     rows = {r["claim"]: r["verdict"] for r in json.loads((out / "verdicts.json").read_text())["claims"]}
     assert set(rows) == {"rank-16-to-32", "rank-beyond-32"}
+
+
+def test_a_foreign_directory_is_refused_before_the_plan_prints_or_a_model_loads(tmp_path, capsys, monkeypatch):
+    def boom(*a, **kw):
+        raise AssertionError("the model was loaded to cost the plan")
+
+    monkeypatch.setattr(job, "measure_token_cost", boom)
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "notes.txt").write_text("x")
+    capsys.readouterr()
+    assert run_cli(["reproduce", "--scale", "smoke", "-o", str(d)]) == 2
+    out, err = capsys.readouterr()
+    assert "plan" not in out.lower() and err.count("\n") == 1 and "not empty and holds no reproduce.json" in err
+    (tmp_path / "f").write_text("x")
+    assert run_cli(["reproduce", "--scale", "smoke", "-o", str(tmp_path / "f")]) == 2
+    assert "is not a directory" in capsys.readouterr().err

@@ -171,6 +171,15 @@ def open_manifest(out: Path, opts: ReproduceOptions) -> dict:
     return old
 
 
+def precheck_dir(out: Path, opts: ReproduceOptions) -> None:
+    """The output directory's refusals (another job's files, a reproduce of other settings) before
+    the plan is printed and the model loads to cost it; checked again under the lock."""
+    if out.exists() and not out.is_dir():
+        raise BenchError(f"{out} is not a directory; use another --output-path")
+    if out.is_dir():
+        open_manifest(out, opts)
+
+
 def _last_error(log: Path) -> str:
     try:
         lines = [x.strip() for x in log.read_text(errors="replace").splitlines() if x.strip()]
@@ -210,6 +219,7 @@ def reproduce(opts: ReproduceOptions, progress=None, say=print) -> ReproduceResu
     resolve_dtype(opts.dtype)
     if not opts.dry_run:  # a dry run may plan for a device this machine lacks (its cost is then nominal)
         resolve_device(opts.device)
+        precheck_dir(Path(opts.output_path), opts)
     cost = token_cost(opts)
     for line in plan_lines(opts, exps, cost):
         say(line)
