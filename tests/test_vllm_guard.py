@@ -329,3 +329,43 @@ def test_the_deployments_limits_must_be_positive(arg, words):
         ServerOptions.parse(arg)
     extra = kv_transfer_config(0.5, 30.0, 10.0)["kv_connector_extra_config"]
     assert extra == {"budget_gib": 0.5, "session_idle_s": 30.0, "deadline_s": 10.0}
+
+
+# ---- the client: a broken stream is a failed request ----------------------------------------------------
+def _serve_once(body: bytes, chunked_cut: bool = False):
+    """A one-shot HTTP server answering any POST with ``body`` (an SSE stream); ``chunked_cut``:
+    chunked encoding, the connection dropped inside a chunk. Returns its base URL."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def handle():
+        conn, _ = srv.accept()
+        conn.recv(65536)
+        if chunked_cut:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            conn.sendall(f"{len(body) + 50:x}\r\n".encode() + body)  # promises 50 bytes more
+        else:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + body)
+        conn.close()
+        srv.close()
+
+    threading.Thread(target=handle, daemon=True).start()
+    return f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+
+CHUNK = b'data: {"choices": [{"token_ids": [5]}]}\n\n'
+
+
+@pytest.mark.parametrize("chunked_cut", [False, True])
+def test_a_stream_cut_short_is_a_failed_request_not_a_short_answer(chunked_cut):
+    from kvcmas_bench.serving.vllm.http import HTTP, ServerLost
+
+    url = _serve_once(CHUNK * 2, chunked_cut)
+    with pytest.raises(ServerLost, match="without \\[DONE\\]|broke off a stream"):
+        HTTP(url).stream({"prompt": [1]}, time.perf_counter)
+    whole = HTTP(_serve_once(CHUNK * 2 + b"data: [DONE]\n\n")).stream({"prompt": [1]}, time.perf_counter)
+    assert whole.tokens == [5, 5] and whole.done_s is not None
