@@ -16,8 +16,17 @@ try:  # typer >= 0.2x vendors its own click
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exc
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
+from rich.text import Text
 
 from .console import fmt, print_run_summary
 from .errors import BenchError
@@ -101,8 +110,16 @@ def on_interrupt(message: str):
     return wrap
 
 
+class _Rate(ProgressColumn):
+    """Samples per second over rich's recent window ("-" before the second sample)."""
+
+    def render(self, task) -> Text:
+        return Text(f"{task.speed:.2f} samples/s" if task.speed else "- samples/s")
+
+
 class _Progress:
-    """Rich progress bar over samples, on stderr."""
+    """Rich progress bar over samples, on stderr: done/total, running accuracy, samples/s, elapsed
+    time and the ETA."""
 
     def __init__(self):
         self.bar = Progress(
@@ -110,6 +127,7 @@ class _Progress:
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("acc {task.fields[acc]}"),
+            _Rate(),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=err,
