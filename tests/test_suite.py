@@ -258,7 +258,9 @@ def test_a_suite_run_as_two_shards_merges_into_the_same_table_1(one_layer_model_
         ([s1, s1], "shard 1/2 given twice"),
         ([s1], None),
         ([s2, s2, s1], "shard 2/2 given twice"),
-        ([whole, s2], "hold the same cells"),
+        ([whole, s2], "and its shard"),
+        ([s2, whole], "and its shard"),
+        ([whole, whole], None),
     ):
         if words is None:
             assert (
@@ -269,6 +271,10 @@ def test_a_suite_run_as_two_shards_merges_into_the_same_table_1(one_layer_model_
     s3 = tmp_path / "s3"
     assert run_cli(args(one_layer_model_dir, s3, *common, "--shard", "1/3")) == 0
     _refused(capsys, ["report", str(s1), str(s2), str(s3), "--no-plots"], "split 2 and 3 ways")
+    _refused(capsys, ["report", str(s1), str(s3), "--no-plots"], "split 2 and 3 ways")
+    s5 = tmp_path / "s5"  # shard 2/2 of another plan (another --limit): not the other half of s1
+    assert run_cli(args(one_layer_model_dir, s5, *common, "--shard", "2/2", "--limit", "3")) == 0
+    _refused(capsys, ["report", str(s1), str(s5), "--no-plots"], "shard(s) 2/2 missing")
     s4 = tmp_path / "s4"
     assert run_cli(args(one_layer_model_dir, s4, *common, "--shard", "2/3")) == 0
     _refused(capsys, ["report", str(s3), str(s4), "--no-plots"], "shard(s) 3/3 missing")

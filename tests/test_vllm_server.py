@@ -936,6 +936,8 @@ def test_a_server_killed_mid_sweep_loses_no_finished_point_and_the_rerun_serves_
     rerun = subprocess.run(_sweep_args(tiny_dir, out, srv.base_url), capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-500:]
     assert "already served" in rerun.stdout
+    resumed = json.loads((out / "config.json").read_text())["resumed_points"]
+    assert {(p["method"], p["qps"]) for p in resumed} == saved
     assert _served(out / "served.jsonl") == {(m, q) for m in ("nonshared", "fullshared") for q in (0.0, 2.0, 4.0, 8.0)}
     whole = tmp_path / "whole"
     assert subprocess.run(_sweep_args(tiny_dir, whole, srv.base_url), capture_output=True, timeout=600).returncode == 0

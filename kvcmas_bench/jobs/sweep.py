@@ -749,6 +749,12 @@ def serve(
                 out[(name, s)] = replay_all(prev[: len(ev)], schedules)
                 continue
             done = {} if backend.replays_service else _saved_points(sweep.points, name, s, schedules, say)
+            # points served by an earlier, interrupted run: said in config.json (their method state
+            # was that run's; the rest start from a fresh warm-up)
+            if done:
+                config.setdefault("resumed_points", []).extend(
+                    {"method": name, "shared_tokens": s, "qps": q} for q in done
+                )
             if len(done) == len(schedules):
                 out[(name, s)] = done
                 continue

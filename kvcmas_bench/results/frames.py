@@ -338,8 +338,9 @@ def _shard_of(p: Path, manifest: dict) -> tuple[str, int | None, int | None]:
 
 def check_shards(paths: list[Path]) -> list[str]:
     """Suite directories that are shards of one plan must merge into that whole plan: each shard
-    once, none missing, not beside the unsharded suite. One line otherwise. Returns a note per
-    merged suite ("suite of 2 shards: A, B")."""
+    once, none missing, not beside the unsharded suite. One line otherwise. A shard alone (the only
+    suite given) reports its own cells; unsharded suites of one plan (say on two devices) are no
+    shards and pass. Returns a note per merged suite ("one suite merged from 2 shards: A, B")."""
     groups: dict[str, list[tuple[Path, int | None, int | None]]] = {}
     for p in paths:
         plan, k, n = _shard_of(p, read_json(p / "suite.json"))
@@ -347,10 +348,10 @@ def check_shards(paths: list[Path]) -> list[str]:
     notes = []
     for entries in groups.values():
         shards = [e for e in entries if e[1] is not None]
-        if len(entries) > 1 and len(shards) < len(entries):
-            a, b = entries[0][0], entries[1][0]
-            raise BenchError(f"{a} and {b} hold the same cells (a suite and its shard, or one suite twice); give one")
-        if len(shards) < 2:
+        if shards and len(shards) < len(entries):
+            whole = next(e[0] for e in entries if e[1] is None)
+            raise BenchError(f"{whole} and its shard {shards[0][0]} hold the same cells; give the suite or its shards")
+        if not shards or len(paths) == 1:
             continue
         counts = sorted({n for _, _, n in shards})
         if len(counts) > 1:

@@ -67,6 +67,8 @@ from .worker import ANSWERED_OPS, SESSION_IDLE_S, WorkerRuntime, waits_for_plan
 
 #: seconds the scheduler side holds a request for its plan or answer before it gives up on it
 DEADLINE_S = 300.0
+#: sessions whose held requests the scheduler side counts between reports (the oldest beyond go)
+MAX_SESSIONS_COUNTED = 4096
 
 #: the worker side's runtime (one per worker process)
 RUNTIME: WorkerRuntime | None = None
@@ -88,6 +90,8 @@ class KVCMASMeta(KVConnectorMetadata):
     #: server mode: requests the worker has not seen (id, metadata, prompt tokens), and finished ones
     new: list[tuple[str, dict, list[int]]] = field(default_factory=list)
     finished: list[tuple[str, list[int]]] = field(default_factory=list)
+    #: requests the scheduler side stopped waiting for (deadline): their plans must not be applied
+    abandoned: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -161,6 +165,7 @@ class KVCMASConnector(KVConnectorBase_V1):
         #: each request's checked kvcmas metadata (:func:`~.guard.screen_request`, once per request),
         #: the reason a request was refused, and when a held request was first held
         self._meta: dict[str, dict | None] = {}
+        self._abandoned: list[str] = []
         self._refused: dict[str, str] = {}
         self._since: dict[str, float] = {}
 
@@ -237,11 +242,14 @@ class KVCMASConnector(KVConnectorBase_V1):
         if rid not in self._claims and self._overdue(rid):
             self._claims[rid] = 0
             self._errors[rid] = f"TimeoutError: the worker did not plan it within {self._deadline_s:g} s"
+            self._abandoned.append(rid)
         if rid not in self._claims:
             if rid not in self._held:
                 self._held.add(rid)
                 sess = str(meta.get("session"))
-                self._held_count[sess] = self._held_count.get(sess, 0) + 1
+                self._held_count[sess] = self._held_count.pop(sess, 0) + 1  # most recent last
+                while len(self._held_count) > MAX_SESSIONS_COUNTED:  # sessions that never report
+                    self._held_count.pop(next(iter(self._held_count)))
             return None, False
         n = min(self._claims[rid], request.num_prompt_tokens - 1)
         return max(0, n - num_computed_tokens), False
@@ -282,8 +290,8 @@ class KVCMASConnector(KVConnectorBase_V1):
         return _Step(key, list(self._blocks[req_id]), start, n, (start - ext, start) if ext else None, server)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        meta = KVCMASMeta(new=self._new, finished=self._finished)
-        self._new, self._finished = [], []
+        meta = KVCMASMeta(new=self._new, finished=self._finished, abandoned=self._abandoned)
+        self._new, self._finished, self._abandoned = [], [], []
         sched = scheduler_output.num_scheduled_tokens
         for nr in scheduler_output.scheduled_new_reqs:
             if nr.req_id in self._keys:
@@ -389,6 +397,8 @@ class KVCMASConnector(KVConnectorBase_V1):
                 RUNTIME.finished(rid, output)
             for rid, meta, prompt in getattr(connector_metadata, "new", ()):
                 RUNTIME.new_request(rid, meta, prompt)
+            for rid in getattr(connector_metadata, "abandoned", ()):
+                RUNTIME.abandon(rid)
         for st in getattr(connector_metadata, "steps", ()):
             plan = self._plan(st)
             for s, k, v in plan.overrides if plan is not None else ():

@@ -67,14 +67,15 @@ class KVCMASGuard:
                 return await self.app(scope, _replay(_msgs(chunks, True), receive), send)
         body = b"".join(chunks)
         try:
-            data = json.loads(body) if b"kv_transfer_params" in body else None
-        except ValueError:
-            data = None
+            data = json.loads(body) if body else None
+        except (ValueError, RecursionError):
+            data = None  # vLLM answers what it cannot parse
         if isinstance(data, dict) and "kv_transfer_params" in data:
             try:
                 body = json.dumps(screen(data)).encode()
-            except Invalid as exc:
-                message = f"invalid kv_transfer_params: {exc}"
+            except Exception as exc:  # noqa: BLE001  (Invalid, or metadata too deep to check: one line)
+                why = str(exc) if isinstance(exc, Invalid) else f"cannot be checked ({type(exc).__name__})"
+                message = f"invalid kv_transfer_params: {why}"
                 return await _reply(send, 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
             headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
             scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}

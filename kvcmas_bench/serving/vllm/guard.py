@@ -34,6 +34,9 @@ MAX_SEGMENTS = 4096
 MAX_AGENTS = 4096
 MAX_TOKENS = 1 << 24
 MAX_OPTIONS = 64
+#: the largest integer a method option may take (anchors, ranks, groups: sizes of state the worker
+#: holds; the budget bounds what they add up to, this bounds one request's ask)
+MAX_KNOB = 1 << 16
 
 _SECRET = re.compile(r"[0-9a-f]{32,64}")
 _OPS = ("agent", "capture", "report", "calibrate")
@@ -120,6 +123,8 @@ def _method(meta: dict) -> None:
             ok = True
         if isinstance(value, float) and not math.isfinite(value):
             ok = False
+        if ok and isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_KNOB:
+            raise Invalid(f"option {key!r} of method {name!r} must be at most {MAX_KNOB} in size")
         if not ok:
             raise Invalid(
                 f"option {key!r} of method {name!r} must be {base.__name__}" + (" or null" if optional else "")

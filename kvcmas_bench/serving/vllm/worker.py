@@ -49,6 +49,7 @@ from .plan import Capture, Plan
 
 #: seconds a session may sit idle (no request, report or end) before the worker drops it
 SESSION_IDLE_S = 900.0
+ABANDONED = "TimeoutError: the scheduler gave up waiting for its plan (deadline_s) and served it plain"
 
 
 # ---- the wire format (client side) ------------------------------------------------------------
@@ -165,9 +166,10 @@ def request_from(meta: dict, prompt: list[int]) -> tuple[Node, Request]:
         pos += n
     if pos != len(prompt):
         raise ValueError(f"segments cover {pos} tokens, the prompt has {len(prompt)}")
-    ancestors = [int(i) for i in meta["ancestors"]]
-    node = Node(meta["node"], Role(meta["node"], "", ""), ancestors, set(ancestors), final=bool(meta.get("last")))
-    return node, Request(meta["agent"], segs, int(meta["max_new_tokens"]), node=meta["node"])
+    ancestors = [int(i) for i in meta.get("ancestors") or []]
+    name = meta.get("node") or meta["agent"]
+    node = Node(name, Role(name, "", ""), ancestors, set(ancestors), final=bool(meta.get("last")))
+    return node, Request(meta["agent"], segs, int(meta["max_new_tokens"]), node=name)
 
 
 # ---- the worker side ----------------------------------------------------------------------------
@@ -186,6 +188,8 @@ class Live:
     error: str | None = None
     #: the scheduler side waits for this request's claim (:func:`waits_for_plan`)
     waits: bool = True
+    #: the scheduler side gave up waiting for its plan (:meth:`WorkerRuntime.abandon`)
+    abandoned: bool = False
     #: the agent's own state and position (several agents of one trajectory may be in flight at
     #: once, a fan-out: the trajectory is pointed at this one before any of its work runs, :meth:`on`)
     agent: object | None = None
@@ -309,8 +313,9 @@ class WorkerRuntime:
         self.system_kv: dict[str, dict[tuple[int, ...], SegmentKV]] = {}
         #: when each session last sent anything (``time.monotonic``): idle ones expire (:meth:`_expire`)
         self.touched: dict[str, float] = {}
-        #: sessions expired for idleness so far
+        #: sessions expired for idleness, and whole sessions evicted beyond the budget, so far
         self.expired = 0
+        self.sessions_evicted = 0
         #: CUDA: an event recorded on the engine's stream after the last step's capture copies; every
         #: method-thread job waits for it first (the copies were only queued on that stream, and the
         #: method thread reads them from another thread); None on CPU, where the copies are done
@@ -434,9 +439,9 @@ class WorkerRuntime:
         with self.lock:
             self.touched[str(meta.get("session"))] = time.monotonic()
         if op == "capture":
-            k, v = self.facts.empty(len(prompt))
+            cap = self._capture_buffer(len(prompt))  # None: over the budget, nothing is kept
             with self.lock:
-                self.live[req_id] = Live(meta, capture=Capture(0, k, v), ids=tuple(prompt))
+                self.live[req_id] = Live(meta, capture=cap, ids=tuple(prompt), error=None if cap else "over budget")
             return
         if op == "report":
             self.submit(lambda: self._report(req_id, meta), kind="report")
@@ -447,6 +452,36 @@ class WorkerRuntime:
         with self.lock:
             self.live[req_id] = Live(meta, waits=waits_for_plan(meta))
         self.submit(lambda: self._plan(req_id, meta, prompt), urgent=True, trajectory=_traj_key(meta), kind="plan")
+
+    def _capture_buffer(self, tokens: int) -> Capture | None:
+        """Buffers for a prefill-only capture (engine thread), or None when they would take the
+        ledger past the budget or cannot be allocated: the request then runs plain and keeps nothing."""
+        need = self.facts.token_bytes * tokens
+        try:
+            if self.budget is not None and self.held_bytes() + need > self.budget:
+                return None
+            k, v = self.facts.empty(tokens)
+        except (RuntimeError, MemoryError):  # a count that raced the method thread, or out of memory
+            return None
+        return Capture(0, k, v)
+
+    def abandon(self, req_id: str) -> None:
+        """The scheduler side gave up waiting for ``req_id``'s plan (its deadline) and lets it run
+        plain: whatever its planning produces, or produced, is not applied, and its record is the error."""
+        with self.lock:
+            live = self.live.get(req_id)
+            if live is not None:
+                live.abandoned = True
+                live.plan, live.claim, live.trajectory = None, 0, None
+                live.error = live.error or ABANDONED
+
+    def _tidy(self) -> None:
+        """After a capture is kept: expire idle sessions and get back under the budget."""
+        self._expire()
+        try:
+            self._evict(None, None)
+        except MemoryError:
+            pass
 
     def _plan(self, req_id: str, meta: dict, prompt: list[int]) -> None:
         live = self.live[req_id]
@@ -475,7 +510,7 @@ class WorkerRuntime:
             plan = got.plan
             claim = min(plan.prefix_len if plan is not None else 0, len(prompt) - 1)
             outcome = "|".join(f"{m}:{r.status}" for m, r in zip(traj.agent.modes, traj.agent.records))
-            self._evict(traj)
+            self._evict(traj, sess)
         except Exception as exc:  # serve it dense, say why in its record
             traceback.print_exc()
             error = f"{type(exc).__name__}: {exc}"
@@ -488,10 +523,13 @@ class WorkerRuntime:
                 error = "RuntimeError: planning failed on another tensor-parallel rank"
             elif error is None and lo != hi:
                 error = f"RuntimeError: tensor-parallel ranks disagree on the plan (claims {lo[0]}..{hi[0]} tokens)"
-        if error is not None:
-            sess = traj = plan = None
-            claim = 0
-        live.session, live.trajectory, live.plan, live.claim, live.error = sess, traj, plan, claim, error
+        with self.lock:
+            if live.abandoned:
+                error = error or ABANDONED
+            if error is not None:
+                sess = traj = plan = None
+                claim = 0
+            live.session, live.trajectory, live.plan, live.claim, live.error = sess, traj, plan, claim, error
         if self.shards is not None:
             self.shards.barrier()  # every rank's request state is final before the scheduler hears of it
         if self.publishes and live.waits:  # nothing to answer for a request that is not held (NonShared)
@@ -562,6 +600,7 @@ class WorkerRuntime:
                         self.system_kv.setdefault(str(live.meta.get("session")), {})[live.ids] = kv
                     else:
                         self._references(live.meta.get("session"))[live.ids] = kv
+                self.submit(self._tidy, kind="tidy")
             return
         if live.plan is None or live.prompt_done or live.trajectory is None:
             return
@@ -575,7 +614,7 @@ class WorkerRuntime:
         live = self.live.get(req_id)
         if live is None:
             return
-        if live.capture is not None:
+        if live.meta.get("op") == "capture":
             with self.lock:
                 self.live.pop(req_id, None)
             return
@@ -610,7 +649,7 @@ class WorkerRuntime:
             sess.trajectories.pop(meta["trajectory"], None)
             return
         try:  # the chained caches count from now: back under the budget before anything else runs
-            self._evict(traj)
+            self._evict(traj, sess)
         except MemoryError:  # this trajectory alone is over the budget: its later agents find no source
             if sess.trajectories.pop(meta["trajectory"], None) is not None:
                 sess.evicted += 1
@@ -654,6 +693,7 @@ class WorkerRuntime:
     def _worker_figures(self) -> dict:
         figures = {
             "sessions_expired": self.expired,
+            "sessions_evicted": self.sessions_evicted,
             "budget_bytes": self.budget,
             # what stays after the point: system prompts, other sessions' K/V
             "held_bytes": self.held_bytes(),
@@ -693,12 +733,28 @@ class WorkerRuntime:
     # ---- memory --------------------------------------------------------------------------------
     def held_bytes(self) -> int:
         """The ledger: every tensor this worker holds (live trajectories' K/V, references, system
-        prompts, and in-flight requests' plans and capture buffers), each storage once."""
-        kvs = [kv for held in (self.system_kv, self.references) for kvs in list(held.values()) for kv in kvs.values()]
-        for s in list(self.sessions.values()):
-            for traj in list(s.trajectories.values()):
-                kvs += [kv for hist in list(traj.store.values()) for _, kv in hist]
-        return _unique_bytes(kvs) + self.inflight_bytes()
+        prompts, in-flight requests' plans and capture buffers, each storage once) and every
+        session's method state (anchor pools, corrections: ``state_bytes``)."""
+        with self.lock:  # the engine thread adds captures under the lock
+            kvs = [
+                kv for held in (self.system_kv, self.references) for d in list(held.values()) for kv in list(d.values())
+            ]
+        for attempt in range(3):  # sessions change on the method thread only: a count from another may race it
+            try:
+                sessions = list(self.sessions.values())
+                stored = [
+                    kv
+                    for s in sessions
+                    for t in list(s.trajectories.values())
+                    for h in list(t.store.values())
+                    for _, kv in list(h)
+                ]
+                state = sum(int(s.method.state_bytes()) for s in sessions)
+                break
+            except RuntimeError:
+                if attempt == 2:
+                    raise
+        return _unique_bytes(kvs + stored) + state + self.inflight_bytes()
 
     def ledger_figures(self, min_interval_s: float = 0.5) -> dict | None:
         """The ledger's figures for ``/metrics`` (:mod:`.stats`), when they changed since the last
@@ -746,29 +802,49 @@ class WorkerRuntime:
         self.held_peak = max(self.held_peak, held)
         return held
 
-    def _evict(self, current: TrajectoryRun | None) -> None:
+    def _evict(self, current: TrajectoryRun | None, session: Session | None = None) -> None:
         """Beyond the budget: drop references, then system prompts, then whole trajectories of any
-        session, least recently planned first (never ``current``, the one being served); a later
-        agent of an evicted trajectory finds no source, an agent whose system prompt went computes
-        it. When nothing is left to drop, the request being planned is refused (served densely with
-        the error, its trajectory dropped) rather than the budget passed: the ledger exceeds the
-        budget by at most one request's plan, and only while that request is being planned."""
+        session, least recently planned first (never ``current``, the one being served, nor one
+        with an agent in flight), then whole sessions other than ``session``, least recently used
+        first (their method state too); a later agent of an evicted trajectory finds no source, an
+        agent whose system prompt went computes it. When nothing is left to drop, the request being
+        planned is refused (served densely with the error, its trajectory dropped) rather than the
+        budget passed: the ledger exceeds the budget only by the buffers of requests in flight."""
         if self.budget is None:
             return
         while (held := self._note_held()) > self.budget:
-            kept = next((d for kind in (self.references, self.system_kv) for d in kind.values() if d), None)
-            if kept is not None:
-                with self.lock:
+            with self.lock:
+                kept = next((d for kind in (self.references, self.system_kv) for d in kind.values() if d), None)
+                if kept is not None:
                     kept.pop(next(iter(kept)))
-                continue
+                    continue
+                busy = {id(live.trajectory) for live in self.live.values() if live.trajectory is not None}
+                held_by = {str(live.meta.get("session")) for live in self.live.values()}
             victims = [
-                (s, tid, t) for s in self.sessions.values() for tid, t in s.trajectories.items() if t is not current
+                (s, tid, t)
+                for s in self.sessions.values()
+                for tid, t in s.trajectories.items()
+                if t is not current and id(t) not in busy
             ]
-            if not victims:
+            if victims:
+                s, tid, _ = min(victims, key=lambda v: getattr(v[2], "used", 0.0))
+                s.trajectories.pop(tid)
+                s.evicted += 1
+                continue
+            idle = [n for n, s in self.sessions.items() if s is not session and n not in held_by]
+            if not idle:
                 raise MemoryError(f"the worker holds {held} bytes, over its budget of {self.budget} (budget_gib)")
-            s, tid, _ = min(victims, key=lambda v: getattr(v[2], "used", 0.0))
-            s.trajectories.pop(tid)
-            s.evicted += 1
+            name = min(idle, key=lambda n: self.touched.get(n, 0.0))
+            self._drop_session(name)
+            self.sessions_evicted += 1
+
+    def _drop_session(self, name: str) -> None:
+        """Forget session ``name`` and everything it holds (method thread)."""
+        with self.lock:
+            self.touched.pop(name, None)
+            self.references.pop(name, None)
+            self.system_kv.pop(name, None)
+        self.sessions.pop(name, None)
 
     # ---- the scheduler side's answers ------------------------------------------------------------
     def take_answers(self) -> tuple[dict[str, int], dict[str, list], dict[str, str]]:
