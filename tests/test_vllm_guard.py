@@ -274,20 +274,20 @@ def test_captures_beyond_the_budget_are_refused_and_idle_sessions_expire():
 
 def test_expired_sessions_give_their_memory_back_to_the_process():
     """Large captures of abandoned sessions: the ledger equals the process's growth, and after
-    expiry the process's RSS is back within allocator slack (16 MiB) of where it started. The
-    buffers are 64 MiB each, above glibc's largest dynamic mmap threshold (32 MiB), so freeing
-    them unmaps them whatever the process allocated before (the worker's case: a long-lived
-    process); smaller freed blocks may stay in the heap, counted by no ledger."""
-    for _ in range(3):  # raise malloc's dynamic threshold as a busy process would
-        torch.empty(30 * 2**20, dtype=torch.uint8).fill_(1)
+    expiry the process's RSS is back within allocator slack (16 MiB) of where it started. Each K or
+    V buffer is 64 MiB, above glibc's largest dynamic mmap threshold (32 MiB), so it is mapped fresh
+    and unmapped when freed whatever the process allocated before (the worker's case: a long-lived
+    process); smaller freed blocks may be reused from, or stay in, the heap."""
+    for _ in range(3):  # raise malloc's dynamic threshold as a busy process would (to its 32 MiB cap)
+        torch.empty(33 * 2**20, dtype=torch.uint8).fill_(1)
     rt = _rt(idle_s=2.0)
-    rt.facts = ModelFacts(torch.ones(32), 8, 8, 64, torch.float32, "cpu", keep_ready=True)  # 32 KiB per token
+    rt.facts = ModelFacts(torch.ones(32), 8, 8, 64, torch.float32, "cpu", keep_ready=True)  # 16 KiB of K a token
     gc.collect()
     start = psutil.Process().memory_info().rss
-    for i in range(4):
-        _capture(rt, f"s{i}", f"{i:032x}", "reference", range(3000 * i, 3000 * i + 2048))  # 64 MiB each
+    for i in range(2):
+        _capture(rt, f"s{i}", f"{i:032x}", "reference", range(5000 * i, 5000 * i + 4096))  # K and V 64 MiB each
     grown = psutil.Process().memory_info().rss - start
-    assert rt.held_bytes() == 4 * 2048 * 32 * 1024
+    assert rt.held_bytes() == 2 * 2 * 4096 * 16 * 1024
     assert abs(grown - rt.held_bytes()) < 16 * 2**20  # the ledger is what the process grew by
     time.sleep(2.1)
     rt.new_request("rep", report_params("f" * 32)["kvcmas"], [1])
