@@ -146,3 +146,27 @@ def one_line(capsys, needle: str) -> str:
     assert len(got) == 1 and "Traceback" not in err, err
     assert got[0].startswith("kvcmas-bench: error: ") and needle in got[0], got[0]
     return got[0]
+
+
+@pytest.fixture
+def slow_method():
+    """A method registered as "slow-test-method" whose planning waits for ``gate`` (a
+    threading.Event, set by the test): planning that is not done yet. Unregistered afterwards."""
+    import threading
+    from types import SimpleNamespace
+
+    from kvcmas_bench.methods.base import METHODS, Method
+
+    gate = threading.Event()
+
+    class _Slow(Method):
+        name = "slow-test-method"
+
+        def materialize(self, ctx):
+            gate.wait(5)
+            return ctx.dense()
+
+    METHODS[_Slow.name] = _Slow
+    yield SimpleNamespace(name=_Slow.name, gate=gate)
+    gate.set()
+    METHODS.pop(_Slow.name, None)

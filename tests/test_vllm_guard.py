@@ -410,34 +410,18 @@ def test_method_state_is_in_the_ledger_and_idle_sessions_go_when_nothing_else_ca
         rt._evict(None, rt.sessions[new])  # only the session being served is left: refuse instead
 
 
-def test_a_plan_the_scheduler_gave_up_on_is_never_applied():
+def test_a_plan_the_scheduler_gave_up_on_is_never_applied(slow_method):
     """The scheduler side's deadline passed while the plan was being made: the plan is dropped when
     it arrives, the request's record is the error."""
-    import threading
-
-    from kvcmas_bench.methods.base import METHODS, Method
     from kvcmas_bench.segments import Request, Segment
     from kvcmas_bench.serving.vllm.worker import ABANDONED, agent_params
 
-    gate = threading.Event()
-
-    class _Slow(Method):
-        name = "slow-guard-method"
-
-        def materialize(self, ctx):
-            gate.wait(5)
-            return ctx.dense()
-
-    METHODS["slow-guard-method"] = _Slow
-    try:
-        rt = _rt()
-        req = Request("A", [Segment("PF", [1, 2, 3]), Segment("PH", [4, 5, 6, 7], slot="ctx")], 2, node="A")
-        meta = agent_params(SECRET, "slow-guard-method", {}, "t0", 0, req, [], "key-1", last=True)["kvcmas"]
-        rt.new_request("r1", meta, req.prompt_ids)
-        rt.abandon("r1")
-        gate.set()
-        rt.drain()
-        claims, _, errors = rt.take_answers()
-        assert rt.plan_of("r1") is None and claims == {"r1": 0} and errors == {"r1": ABANDONED}
-    finally:
-        METHODS.pop("slow-guard-method", None)
+    rt = _rt()
+    req = Request("A", [Segment("PF", [1, 2, 3]), Segment("PH", [4, 5, 6, 7], slot="ctx")], 2, node="A")
+    meta = agent_params(SECRET, slow_method.name, {}, "t0", 0, req, [], "key-1", last=True)["kvcmas"]
+    rt.new_request("r1", meta, req.prompt_ids)
+    rt.abandon("r1")
+    slow_method.gate.set()
+    rt.drain()
+    claims, _, errors = rt.take_answers()
+    assert rt.plan_of("r1") is None and claims == {"r1": 0} and errors == {"r1": ABANDONED}

@@ -118,41 +118,27 @@ def _same(a: dict, b: dict, tol: float = 1e-4) -> bool:
 
 
 # ---- the worker runtime's background thread (no vLLM) -------------------------------------------
-def test_worker_plans_off_the_engine_thread_and_answers_when_ready():
+def test_worker_plans_off_the_engine_thread_and_answers_when_ready(slow_method):
     """``new_request`` returns at once; the claim appears only when the (slow) planning is done."""
-    from kvcmas_bench.methods.base import METHODS, Method
     from kvcmas_bench.segments import Request, Segment
     from kvcmas_bench.serving.vllm.flow import ModelFacts
     from kvcmas_bench.serving.vllm.worker import WorkerRuntime, agent_params
 
-    gate = threading.Event()
-
-    class _Slow(Method):
-        name = "slow-test-method"
-
-        def materialize(self, ctx):
-            gate.wait(5)
-            return ctx.dense()
-
-    METHODS["slow-test-method"] = _Slow
-    try:
-        facts = ModelFacts(torch.ones(4), 2, 1, 8, torch.float32, "cpu", keep_ready=True)
-        rt = WorkerRuntime(facts, set())
-        req = Request("A", [Segment("PF", [1, 2, 3]), Segment("PH", [4, 5, 6, 7], slot="ctx")], 2, node="A")
-        meta = agent_params("s", "slow-test-method", {}, "t0", 0, req, [], "key-1", last=True)["kvcmas"]
-        t0 = time.perf_counter()
-        rt.new_request("r1", meta, req.prompt_ids)
-        assert time.perf_counter() - t0 < 0.5
-        time.sleep(0.2)
-        assert rt.take_answers()[0] == {}  # not planned yet: the scheduler keeps answering None
-        gate.set()
-        rt.drain()
-        claims, _, errors = rt.take_answers()
-        assert claims == {"r1": 0} and not errors  # dense: nothing claimed, the plan captures the segment
-        plan = rt.plan_of("r1")
-        assert [(c.start, c.k.shape[2]) for c in plan.captures] == [(3, 4), (7, 2)]
-    finally:
-        METHODS.pop("slow-test-method", None)
+    facts = ModelFacts(torch.ones(4), 2, 1, 8, torch.float32, "cpu", keep_ready=True)
+    rt = WorkerRuntime(facts, set())
+    req = Request("A", [Segment("PF", [1, 2, 3]), Segment("PH", [4, 5, 6, 7], slot="ctx")], 2, node="A")
+    meta = agent_params("s", slow_method.name, {}, "t0", 0, req, [], "key-1", last=True)["kvcmas"]
+    t0 = time.perf_counter()
+    rt.new_request("r1", meta, req.prompt_ids)
+    assert time.perf_counter() - t0 < 0.5
+    time.sleep(0.2)
+    assert rt.take_answers()[0] == {}  # not planned yet: the scheduler keeps answering None
+    slow_method.gate.set()
+    rt.drain()
+    claims, _, errors = rt.take_answers()
+    assert claims == {"r1": 0} and not errors  # dense: nothing claimed, the plan captures the segment
+    plan = rt.plan_of("r1")
+    assert [(c.start, c.k.shape[2]) for c in plan.captures] == [(3, 4), (7, 2)]
 
 
 def test_nonshared_requests_are_never_held_for_a_plan():

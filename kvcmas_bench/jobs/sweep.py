@@ -827,20 +827,29 @@ def open_points(path: Path, resumed: bool, expected: dict[int, int]) -> Points:
     return points
 
 
-def _read_points(path: Path) -> Points:
-    points: Points = {}
-    seen: set = set()
+def _keyed_records(path: Path, what: str, key: Callable[[RequestRecord], tuple]):
+    """``(line, record, key(record))`` for each complete line of ``path``; only a torn last line
+    (killed mid-write) is dropped, any other line that is not a ``what`` with that key raises one
+    ``BenchError`` naming it."""
     rows, _ = read_jsonl_objects(path)
     for n, _, d in rows:
         try:
             rec = RequestRecord.from_dict(d)
-            key = (str(rec.method), int(rec.shared_tokens), float(rec.qps))
-            one = (*key, str(rec.trajectory), rec.step)
+            k = key(rec)
         except (ValueError, TypeError, AttributeError, KeyError) as exc:
             raise BenchError(
-                f"{path} line {n} is not a served request ({str(exc)[:200]}); nothing was changed "
+                f"{path} line {n} is not a {what} ({str(exc)[:200]}); nothing was changed "
                 "(repair or remove that line, or use another --output-path)"
             ) from None
+        yield n, rec, k
+
+
+def _read_points(path: Path) -> Points:
+    points: Points = {}
+    seen: set = set()
+    point = lambda r: (str(r.method), int(r.shared_tokens), float(r.qps))  # noqa: E731
+    for n, rec, key in _keyed_records(path, "served request", point):
+        one = (*key, str(rec.trajectory), rec.step)
         if one in seen:
             raise BenchError(
                 f"{path} line {n} repeats request {one[3]} step {one[4]} of a point; use another --output-path"
@@ -958,16 +967,7 @@ def _read_service(path: Path) -> Measured:
     """Saved measurements, grouped (method, shared) -> trajectories -> agents. Only a torn last line
     (killed mid-write) is dropped; any other bad line raises ``BenchError`` naming it."""
     groups: dict[tuple[str, int], dict[str, list[RequestRecord]]] = {}
-    rows, _ = read_jsonl_objects(path)
-    for n, _, d in rows:
-        try:
-            rec = RequestRecord.from_dict(d)
-            key = (str(rec.method), int(rec.shared_tokens))
-        except (ValueError, TypeError, AttributeError, KeyError) as exc:
-            raise BenchError(
-                f"{path} line {n} is not a measured request ({str(exc)[:200]}); nothing was changed "
-                "(repair or remove that line, or use another --output-path)"
-            ) from None
+    for _, rec, key in _keyed_records(path, "measured request", lambda r: (str(r.method), int(r.shared_tokens))):
         groups.setdefault(key, {}).setdefault(str(rec.trajectory), []).append(rec)
     return {k: [sorted(v, key=lambda r: r.step or 0) for v in trajs.values()] for k, trajs in groups.items()}
 

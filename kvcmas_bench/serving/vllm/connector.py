@@ -444,9 +444,9 @@ class KVCMASConnector(KVConnectorBase_V1):
     def _save(self) -> None:
         meta = self._get_connector_metadata()
         self._overrides = []
-        copied = False
         for st in meta.steps:
             plan = self._plan(st)
+            copied = False
             for cap in plan.captures if plan is not None else ():
                 b = min(cap.end, st.start + st.n)
                 if b <= cap.start:
@@ -467,7 +467,6 @@ class KVCMASConnector(KVConnectorBase_V1):
                 event = torch.cuda.Event()
                 event.record()
                 RUNTIME.step_event = event
-                copied = False
             if st.server and RUNTIME is not None:
                 RUNTIME.captured(st.key)
 

@@ -116,13 +116,7 @@ def _method(meta: dict) -> None:
         if key not in knobs:
             raise Invalid(f"method {name!r} has no option {str(key)[:40]!r}")
         base, optional = field_type(typing.get_type_hints(cls)[key])
-        ok = (value is None and optional) or (
-            isinstance(value, base) and not (isinstance(value, bool) and base is not bool)
-        )
-        if base is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if isinstance(value, float) and not math.isfinite(value):
-            ok = False
+        ok = _of_type(value, base, optional)
         if ok and isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_KNOB:
             raise Invalid(f"option {key!r} of method {name!r} must be at most {MAX_KNOB} in size")
         if not ok:
@@ -135,6 +129,18 @@ def _method(meta: dict) -> None:
         raise Invalid(
             f"method {name!r}: {str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}"
         ) from None
+
+
+def _of_type(value, base: type, optional: bool) -> bool:
+    """Whether a JSON option value fits a knob of type ``base`` (an int fits a float knob; a bool
+    fits only a bool knob; a float must be finite)."""
+    if value is None:
+        return optional
+    if isinstance(value, bool):
+        return base is bool
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return isinstance(value, base) or (base is float and isinstance(value, int))
 
 
 def _segments(meta: dict, prompt_len: int | None) -> None:

@@ -420,16 +420,11 @@ class WorkerRuntime:
         system prompts): a client that vanished leaves nothing behind. Method thread only."""
         cutoff = time.monotonic() - self.idle_s
         with self.lock:
-            stale = [name for name, t in self.touched.items() if t < cutoff]
             busy = {str(live.meta.get("session")) for live in self.live.values()}
-            stale = [name for name in stale if name not in busy]
-            for name in stale:
-                self.touched.pop(name, None)
-                self.references.pop(name, None)
-                self.system_kv.pop(name, None)
+            stale = [name for name, t in self.touched.items() if t < cutoff and name not in busy]
         for name in stale:
-            if self.sessions.pop(name, None) is not None:
-                self.expired += 1
+            self.expired += name in self.sessions
+            self._drop_session(name)
 
     # ---- what the connector calls ----------------------------------------------------------------
     def new_request(self, req_id: str, meta: dict, prompt: list[int]) -> None:
@@ -680,13 +675,8 @@ class WorkerRuntime:
         if sess is not None:
             out, sess.reports = sess.reports, []
             figures.update(self._session_figures(sess))
-            if meta.get("end"):
-                self.sessions.pop(name, None)
         if meta.get("end"):
-            with self.lock:
-                self.references.pop(name, None)
-                self.system_kv.pop(name, None)
-                self.touched.pop(name, None)
+            self._drop_session(name)
         self.held_peak = self.held_bytes()  # the next report's peak starts from what is held now
         return [{"session": figures}] + out
 
