@@ -320,6 +320,7 @@ class WorkerRuntime:
         #: method-thread job waits for it first (the copies were only queued on that stream, and the
         #: method thread reads them from another thread); None on CPU, where the copies are done
         self.step_event = None
+        self.ledger_bytes = 0  #: the method thread's last count (:meth:`_note_held`), read for /metrics
         #: the ledger figures last sent to ``/metrics`` and when (:meth:`ledger_figures`)
         self._ledger_sent: dict | None = None
         self._ledger_at = float("-inf")
@@ -471,8 +472,9 @@ class WorkerRuntime:
                 live.error = live.error or ABANDONED
 
     def _tidy(self) -> None:
-        """After a capture is kept: expire idle sessions and get back under the budget."""
+        """After a capture is kept: expire idle sessions, count the ledger, get back under the budget."""
         self._expire()
+        self._note_held()
         try:
             self._evict(None, None)
         except MemoryError:
@@ -642,6 +644,7 @@ class WorkerRuntime:
         if meta.get("last"):
             sess.completed_bytes.append(_unique_bytes(kv for hist in traj.store.values() for _, kv in hist))
             sess.trajectories.pop(meta["trajectory"], None)
+            self._note_held()  # freed: the ledger /metrics shows drops now
             return
         try:  # the chained caches count from now: back under the budget before anything else runs
             self._evict(traj, sess)
@@ -677,7 +680,8 @@ class WorkerRuntime:
             figures.update(self._session_figures(sess))
         if meta.get("end"):
             self._drop_session(name)
-        self.held_peak = self.held_bytes()  # the next report's peak starts from what is held now
+        # the next report's peak starts from what is held now
+        self.held_peak = self.ledger_bytes = self.held_bytes()
         return [{"session": figures}] + out
 
     def _worker_figures(self) -> dict:
@@ -748,16 +752,13 @@ class WorkerRuntime:
 
     def ledger_figures(self, min_interval_s: float = 0.5) -> dict | None:
         """The ledger's figures for ``/metrics`` (:mod:`.stats`), when they changed since the last
-        ones returned and at least ``min_interval_s`` later; else None. Engine thread: the method
-        thread may be changing what it counts, so a count that raced it is skipped."""
+        ones returned and at least ``min_interval_s`` later; else None. Engine thread, every step:
+        it reads the method thread's last count (:attr:`ledger_bytes`) and counts nothing itself."""
         now = time.monotonic()
         if now - self._ledger_at < min_interval_s:
             return None
         self._ledger_at = now
-        try:
-            figures = {"held_bytes": self.held_bytes(), "budget_bytes": self.budget, "sessions": len(self.sessions)}
-        except RuntimeError:  # a dict changed size under the count: the next step counts again
-            return None
+        figures = {"held_bytes": self.ledger_bytes, "budget_bytes": self.budget, "sessions": len(self.sessions)}
         if figures == self._ledger_sent:
             return None
         self._ledger_sent = figures
@@ -788,7 +789,7 @@ class WorkerRuntime:
         evictions, a session's end) and at each report. Captures stored from the engine's thread
         (system prompts, references) only add bytes, so measuring before every free and at the
         report finds the true peak."""
-        held = self.held_bytes()
+        held = self.ledger_bytes = self.held_bytes()
         self.held_peak = max(self.held_peak, held)
         return held
 
