@@ -32,6 +32,7 @@ from .console import fmt, print_run_summary
 from .errors import BenchError
 from .options import (
     BUDGET_PARAMS,
+    ENGINE_PARAMS,
     KNOB_PARAMS,
     MODEL_PARAMS,
     Agents,
@@ -162,7 +163,7 @@ class _Progress:
 
 @app.command()
 @on_interrupt("finished samples are saved; run the same command again to resume")
-@takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS)
+@takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS, ENGINE_PARAMS)
 def run(
     method: str = typer.Option("nonshared", help="Sharing method (see `kvcmas-bench methods`)."),
     workload: Workload = "mmlu",
@@ -411,7 +412,7 @@ def _raise_failed(failed: dict, output_path: str, total: int | None = None, what
 
 @app.command("ablate")
 @on_interrupt("finished samples are saved; run the same command again to resume")
-@takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS)
+@takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS, ENGINE_PARAMS)
 def ablate_cmd(
     kind: str = typer.Argument(..., help="rank, anchors, tau, agents or rounds."),
     values: str | None = typer.Option(
@@ -458,7 +459,7 @@ def ablate_cmd(
 
 
 @app.command("suite")
-@takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS)
+@takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS, ENGINE_PARAMS)
 def suite_cmd(
     methods: Methods = "all",
     workloads: Workloads = "mmlu",

@@ -64,7 +64,16 @@ DryRun = Annotated[
     ),
 ]
 EngineName = Annotated[
-    str, typer.Option("--engine", help="Serving engine (see `kvcmas-bench engines`); reproduce: of its serve-sweeps.")
+    str,
+    typer.Option(
+        "--engine",
+        help="Engine that runs the requests (see `kvcmas-bench engines`); run, suite, ablate: in-process or vllm; "
+        "reproduce: of its serve-sweeps.",
+    ),
+]
+MaxConcurrency = Annotated[
+    int,
+    typer.Option("--max-concurrency", help="Samples in flight at once (--engine vllm: vLLM batches their requests)."),
 ]
 EngineArg = Annotated[
     list[str] | None,
@@ -196,6 +205,14 @@ KNOB_PARAMS = {
     "anchors": (AnchorCount, None),
     "anchor_dtype": (AnchorDtype, None),
     "method_arg": (MethodArg, None),
+}
+
+
+#: the engine that runs a job's samples (:class:`~kvcmas_bench.settings.EvalSettings`)
+ENGINE_PARAMS = {
+    "engine": (EngineName, "in-process"),
+    "engine_arg": (EngineArg, None),
+    "max_concurrency": (MaxConcurrency, 1),
 }
 
 

@@ -209,6 +209,10 @@ def check_positive(**values: int | None) -> None:
             raise BenchError(f"{flag_of(name)} must be a positive integer, got {v}")
 
 
+#: engines that run workload samples (``run``, ``suite``, ``ablate``)
+EVAL_ENGINES = ("in-process", "vllm")
+
+
 # --- the layers
 
 
@@ -268,9 +272,22 @@ class EvalSettings(SampleSettings, MethodSettings):
     warmup: int = 0
     #: write every request's rendered prompt text to prompts.jsonl (lm-eval's sample logs)
     log_prompts: bool = False
+    #: what runs the samples: "in-process" (one request at a time, exact per-segment fidelity) or
+    #: "vllm" (a vLLM deployment with KVCMASConnector, samples batched by vLLM)
+    engine: str = "in-process"
+    #: engine options (``--engine-arg KEY=VALUE``: base_url of a running server, tensor_parallel_size, ...)
+    engine_args: dict = cli(source="engine_arg", parse=parse_pairs, factory=dict)
+    #: samples in flight at once (``--engine vllm``)
+    max_concurrency: int = 1
 
     def check_eval(self) -> None:
         self.check_samples()
+        check_positive(max_concurrency=self.max_concurrency)
+        if self.engine not in EVAL_ENGINES:
+            raise BenchError(f"--engine must be one of {', '.join(EVAL_ENGINES)} for samples, got {self.engine!r}")
+        if self.engine == "in-process" and (self.engine_args or self.max_concurrency != 1):
+            flag = "--engine-arg" if self.engine_args else "--max-concurrency"
+            raise BenchError(f"{flag} applies to --engine vllm; the in-process engine runs one request at a time")
         if self.calib_samples < 1:
             raise BenchError(f"--calib-samples must be a positive integer, got {self.calib_samples}")
         if self.warmup < 0:

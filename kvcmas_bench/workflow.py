@@ -274,21 +274,21 @@ class Workflow:
     def request(self, node: Node, segments: list[Segment]) -> Request:
         return Request(node.role.name, segments, self.final_max_new if node.final else self.max_new)
 
+    def query_ids(self, sample: Sample) -> list[int]:
+        return self.tok(sample.query, add_special_tokens=False)["input_ids"]
+
+    def build(self, node: Node, q_ids: list[int], outputs: dict[str, list[int]], sources: dict[str, str]) -> Request:
+        """``node``'s request: its role's prompt around the query and the outputs it reads (by node
+        id), each shared segment labelled with the agent its cache comes from (``sources``)."""
+        shared = {"q": q_ids, **{out_slot(self.nodes[i]): outputs[self.nodes[i].id] for i in node.reads}}
+        segments = render_segments(self.tok, node.role.system, self.user_parts(node), shared, sources)
+        return self.request(node, segments)
+
     def run_sample(self, sample: Sample) -> UnitRun:
-        q_ids = self.tok(sample.query, add_special_tokens=False)["input_ids"]
+        q_ids = self.query_ids(sample)
 
         def build(idx, node, sources, outputs):
-            shared = {"q": q_ids, **{out_slot(self.nodes[i]): outputs[self.nodes[i].id] for i in node.reads}}
-            return self.request(
-                node,
-                render_segments(
-                    self.tok,
-                    node.role.system,
-                    self.user_parts(node),
-                    shared,
-                    {slot: kv.agent for slot, kv in sources.items()},
-                ),
-            )
+            return self.build(node, q_ids, outputs, {slot: kv.agent for slot, kv in sources.items()})
 
         return UnitRun(sample.id, execute(self.engine, self.method, self.nodes, build, self.fidelity))
 

@@ -429,14 +429,14 @@ def test_an_empty_output_path_is_refused_and_nothing_is_written(capsys, argv, tm
 
 def test_rounds_past_the_request_bound_are_refused_before_the_workflow_is_planned(capsys, tmp_path, monkeypatch):
     from kvcmas_bench import workflow
-    from kvcmas_bench.jobs import run as run_job
+    from kvcmas_bench.jobs import sampling
     from kvcmas_bench.jobs.run import RunOptions, resolve_options
 
     def planned(*args, **kwargs):
         raise AssertionError("the workflow was planned before the bound was checked")
 
     monkeypatch.setattr(workflow, "plan", planned)
-    monkeypatch.setattr(run_job, "plan", planned)
+    monkeypatch.setattr(sampling, "plan", planned)
     out = tmp_path / "r"
     msg = one_line(capsys, ["run", "--rounds", "100000", "--device", "cpu", "-o", str(out)])
     assert msg == "--rounds 100000 x 3 task agents makes 300000 requests per sample; at most 512"

@@ -1141,3 +1141,71 @@ def test_many_requests_and_abandoned_sessions_stay_in_a_small_budget_and_expire(
         assert worker.memory_info().rss - rss0 < 64 * 2**20
     finally:
         b.close()
+
+
+# ---- accuracy runs: run --engine vllm ---------------------------------------------------------------
+def _run_args(model, out, method: str, limit: int = 3) -> list[str]:
+    return ["run", "--model", model, "--method", method, "--workload", "mmlu", "--limit", str(limit), "-o", str(out),
+            "--max-new-tokens", "6", "--final-max-new-tokens", "4", "--dtype", "float32"]  # fmt: skip
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@needs_vllm
+def test_run_on_the_vllm_server_gives_the_in_process_answers_and_records(srv, tiny_dir, tmp_path):
+    """``run --engine vllm`` with 3 samples in flight: the same prompts, outputs, first tokens and
+    answers as the in-process engine, request for request (greedy, float32), and records that every
+    reader accepts (one request per agent and step, the sample's keys, the agent's role)."""
+    ip, vl = tmp_path / "ip", tmp_path / "vl"
+    assert run_cli(_run_args(tiny_dir, ip, "nonshared")) == 0
+    server = ["--engine", "vllm", "--engine-arg", f"base_url={srv.base_url}", "--max-concurrency", "3"]
+    assert run_cli(_run_args(tiny_dir, vl, "nonshared") + server + ["--log-prompts"]) == 0
+    a = {s["sample_id"]: s for s in _lines(ip / "samples.jsonl")}
+    b = {s["sample_id"]: s for s in _lines(vl / "samples.jsonl")}
+    assert sorted(a) == sorted(b) and len(a) == 3
+    for sid in a:
+        assert (a[sid]["final_output"], a[sid]["prediction"]) == (b[sid]["final_output"], b[sid]["prediction"])
+    key = lambda r: (r["sample_id"], r["step"])  # noqa: E731
+    ra = {key(r): r for r in _lines(ip / "requests.jsonl")}
+    rb = {key(r): r for r in _lines(vl / "requests.jsonl")}
+    assert sorted(ra) == sorted(rb) and len(ra) == 3 * 4
+    for k in ra:
+        for field in ("agent", "node", "prompt_tokens", "output_tokens", "output", "first_token_id"):
+            assert ra[k][field] == rb[k][field], (k, field)
+        assert rb[k].get("trajectory") is None and rb[k].get("qps") is None
+        assert ra[k]["eligible_tokens"] == rb[k]["eligible_tokens"], k  # NonShared's rho: 0, as in-process
+    prompts = _lines(vl / "prompts.jsonl")
+    assert len(prompts) == 12 and all(p["prompt"] for p in prompts)
+    config = json.loads((vl / "config.json").read_text())
+    summary = json.loads((vl / "summary.json").read_text())
+    assert config["engine"].startswith("vllm server") and config["max_concurrency"] == 3
+    assert summary["engine"]["name"] == "vllm" and summary["engine"]["samples_run"] == 3
+    assert summary["engine"]["samples_per_s"] > 0
+    assert run_cli(["report", str(ip), str(vl)]) == 0
+    # a resume on the other engine is refused: the run continues on the engine it began on
+    assert run_cli(_run_args(tiny_dir, ip, "nonshared") + server) == 2
+
+
+@needs_vllm
+def test_sharing_methods_run_through_the_same_command_with_rho_and_accounting(srv, tiny_dir, tmp_path):
+    """FullShared, KVCMAS, KVComm and GraphFlow (calibrated in the worker on held-out samples) through
+    ``run --engine vllm``: every shared segment with a source is reused or decided by the method's
+    gate on the worker, and the records carry rho's counts and the method's accounting."""
+    server = ["--engine", "vllm", "--engine-arg", f"base_url={srv.base_url}", "--max-concurrency", "2"]
+    for method in ("fullshared", "kvcmas", "kvcomm", "graphflow"):
+        out = tmp_path / method
+        assert run_cli(_run_args(tiny_dir, out, method) + server + ["--calib-samples", "2"]) == 0, method
+        reqs = _lines(out / "requests.jsonl")
+        summary = json.loads((out / "summary.json").read_text())
+        assert len(reqs) == 12 and summary["n"] == 3
+        statuses = [s["status"] for r in reqs for s in r["segments"] if s["kind"] == "PH"]
+        later = [s for r in reqs if r["step"] > 0 for s in r["segments"] if s["kind"] == "PH"]
+        assert summary["reuse_ratio"] is not None and summary["engine"]["max_concurrency"] == 2
+        if method == "fullshared":
+            assert later and all(s["status"] == "reused" for s in later) and summary["reuse_ratio"] > 0
+        if method == "graphflow":
+            assert statuses and all(st == "corrected" for st in statuses)
+        if method in ("kvcmas", "kvcomm"):
+            assert any(r.get("method_stats") for r in reqs), method  # the gate's decisions, counted on the worker

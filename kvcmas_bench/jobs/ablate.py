@@ -41,8 +41,9 @@ from ..results.request import SegmentRecord
 from ..settings import EvalSettings, cli, comma_items, comma_list, derive
 from ..workloads import get_workload
 from .run import RunOptions, select_samples
+from .served import one_server
 from .suite import STRICT_KEYS as SUITE_STRICT_KEYS
-from .suite import is_done, resume_manifest, run_cell
+from .suite import check_cell_engine, is_done, resume_manifest, run_cell
 
 KINDS = ("rank", "anchors", "tau", "agents", "rounds")
 DEFAULT_VALUES = {
@@ -284,9 +285,10 @@ def _point_args(opts: AblateOptions, p: Point) -> dict:
 def _check_point(opts: AblateOptions, p: Point, workload) -> None:
     """The point's method options and run options, validated as ``run`` would (before any model)."""
     try:
-        resolve_method(p.method, _point_args(opts, p), workload)
+        spec = resolve_method(p.method, _point_args(opts, p), workload)
     except BenchError as exc:
         raise BenchError(f"ablate {opts.kind} point {p.cell}: {exc}") from None
+    check_cell_engine(opts, workload, {p.method: spec})
     _run_options(opts, p, Path(opts.output_path)).validate()
 
 
@@ -335,9 +337,10 @@ def _run_points(opts: AblateOptions, points: list[Point], out_dir: Path, progres
     res.skipped = [p.cell for p in points if is_done(manifest["cells"][p.cell], p.n)]
     if progress is not None:
         progress.begin(cells, set(res.skipped))
-    for p, c in zip(points, cells):
-        if p.cell not in res.skipped:
-            run_cell(p.cell, _run_options(opts, p, out_dir), manifest, out_dir, res.failed, progress, c)
+    with one_server(opts):
+        for p, c in zip(points, cells):
+            if p.cell not in res.skipped:
+                run_cell(p.cell, _run_options(opts, p, out_dir), manifest, out_dir, res.failed, progress, c)
     if len(res.failed) < len(points):
         res.table = ablation_table(out_dir, [p for p in points if p.cell not in res.failed] + earlier(manifest, points))
     return res

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import random
+import time
 from dataclasses import dataclass, field
 
 from ..calibration import auto_tau, collect
@@ -18,8 +18,11 @@ from ..results.state import MethodStateStore
 from ..results.summary import summarize
 from ..segments import UIDS
 from ..settings import EvalSettings, check_positive, cli, comma_list
-from ..workflow import TOPOLOGIES, Workflow, plan, request_records
+from ..workflow import TOPOLOGIES, Workflow, request_records
 from ..workloads import Workload, get_workload
+from .sampling import check_model, pick_samples, sample_record, select_samples, throughput
+
+__all__ = ["RunOptions", "check_sandbox", "resolve_options", "run", "select_samples"]
 
 #: most agents of one workflow (``--agents``); the model's context bounds it further (:func:`check_context`)
 MAX_AGENTS = 64
@@ -74,23 +77,6 @@ def check_sandbox(workloads: list[str], unsafe: bool) -> None:
         )
 
 
-def select_samples(samples: list, limit: int | None, seed: int) -> list:
-    """A seeded shuffle, then the first ``limit``: the same seed gives the same subset."""
-    order = list(range(len(samples)))
-    random.Random(seed).shuffle(order)
-    if limit is not None:
-        order = order[:limit]
-    return [samples[i] for i in order]
-
-
-def calibration_samples(samples: list, evaluated: set[str], n: int, seed: int) -> list:
-    """``n`` samples disjoint from the evaluated ones, from the far end of the seeded order."""
-    order = list(range(len(samples)))
-    random.Random(seed).shuffle(order)
-    picked = [samples[i] for i in reversed(order) if samples[i].id not in evaluated]
-    return picked[:n]
-
-
 @dataclass
 class Prepared:
     """Everything a run needs once options are checked, the model loaded and calibration done."""
@@ -137,41 +123,17 @@ def resolve_options(opts: RunOptions) -> tuple[Workload, MethodSpec]:
             f"sample; at most {MAX_TASK_REQUESTS}"
         )
     spec = resolve_method(opts.method, opts.method_args, workload)
+    if opts.engine == "vllm":
+        from ..serving.engines import check_engine
+        from .served import check_served
+
+        check_engine("vllm", [spec.cls])
+        check_served(opts, workload)
     if opts.target_reuse is not None and "tau" not in spec.cls.knobs():
         raise BenchError(f"--target-reuse applies to methods with a gate threshold, not {opts.method!r}")
     resolve_device(opts.device)
     resolve_dtype(opts.dtype)
     return workload, spec
-
-
-def check_model(opts: RunOptions, workload: Workload, spec: MethodSpec, config) -> None:
-    """What depends on the model, checked from its config before the weights load: the method's
-    knobs against its layer count (:meth:`Method.check_model`) and the workflow against its
-    context (:func:`check_context`)."""
-    text = getattr(config, "text_config", None) or config
-    n_layers = getattr(text, "num_hidden_layers", None)
-    if isinstance(n_layers, int):
-        spec().check_model(n_layers)
-    check_context(opts, workload, config)
-
-
-def check_context(opts: RunOptions, workload: Workload, config) -> None:
-    """The agent outputs one prompt of the workflow accumulates, plus the agent's own output, must fit
-    the model's context (``max_position_embeddings`` of its ``config``); the prompt text comes on top."""
-    limit = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
-    if not isinstance(limit, int):
-        return
-    n_agents = opts.agents or len(workload.roles) + 1
-    max_new = opts.max_new_tokens or workload.max_new_tokens
-    final_new = opts.final_max_new_tokens or workload.final_max_new_tokens
-    nodes = plan(opts.topology, workload.roles, workload.final_role, n_agents, opts.rounds)
-    need = max(len(n.reads) * max_new + (final_new if n.final else max_new) for n in nodes)
-    if need > limit:
-        raise BenchError(
-            f"--agents {n_agents} --rounds {opts.rounds} ({opts.topology}): one prompt accumulates agent outputs "
-            f"and an answer of up to {need} tokens > the model's context of {limit}; lower --agents, --rounds "
-            "or --max-new-tokens"
-        )
 
 
 def prepare(opts: RunOptions) -> Prepared:
@@ -180,21 +142,7 @@ def prepare(opts: RunOptions) -> Prepared:
 
     workload, spec = resolve_options(opts)
     device = resolve_device(opts.device)
-    all_samples = workload.load()
-    samples = select_samples(all_samples, opts.limit, opts.seed)
-    if not samples:
-        raise BenchError("no samples selected (check --subjects / --data-path)")
-    calib: list = []
-    if spec.cls.needs_calibration or opts.target_reuse is not None:
-        calib = calibration_samples(all_samples, {s.id for s in samples}, opts.calib_samples, opts.seed)
-        if not calib:
-            raise BenchError("no calibration samples left outside the evaluated ones; lower --limit")
-    warm = calibration_samples(all_samples, {s.id for s in samples + calib}, opts.warmup, opts.seed)
-    if len(warm) < opts.warmup:
-        raise BenchError(
-            f"--warmup {opts.warmup}: only {len(warm)} samples left outside the evaluated and calibration ones; "
-            "lower --warmup or --limit"
-        )
+    samples, calib, warm = pick_samples(opts, workload, spec)
     if workload.modality != "text":
         from ..modeling_vlm import load_vlm
 
@@ -252,9 +200,13 @@ def run_config(opts: RunOptions, p: Prepared, flow: Workflow) -> dict:
 
 def run(opts: RunOptions, progress=None) -> dict:
     """Run (or resume) one benchmark and return its summary."""
-    resolve_options(opts)
+    workload, spec = resolve_options(opts)
     with lock_output_dir(opts.output_path) as path:  # a busy or unwritable output path fails before any work,
         check_run_dir(path)  # and so does a damaged run directory
+        if opts.engine == "vllm":
+            from .served import run_served
+
+            return run_served(opts, workload, spec, progress)
         return _run(opts, progress)
 
 
@@ -278,6 +230,7 @@ def _run(opts: RunOptions, progress=None) -> dict:
         progress.start(total=len(p.samples), done=len(p.samples) - len(todo))
         if hasattr(progress, "resumed"):  # the finished samples count in the accuracy shown
             progress.resumed(out.samples)
+    t0 = time.perf_counter()
     for sample in todo:
         prompts: list | None = [] if opts.log_prompts else None
         sample_rec, req_recs = run_one(flow, sample, p.engine, prompts)
@@ -289,6 +242,7 @@ def _run(opts: RunOptions, progress=None) -> dict:
             out.log_prompts(prompts)
         if progress is not None:
             progress.advance(sample_rec)
+    wall = time.perf_counter() - t0
     wanted = {s.id for s in p.samples}
     summary = summarize(
         [s for s in out.samples if s["sample_id"] in wanted],
@@ -301,6 +255,7 @@ def _run(opts: RunOptions, progress=None) -> dict:
             **({"method_state": p.method.state_layout()} if hasattr(p.method, "state_layout") else {}),
         },
     )
+    summary["engine"] = {"name": "in-process", "max_concurrency": 1, **throughput(len(todo), wall)}
     write_json(out.summary_path, summary)
     return summary
 
@@ -327,18 +282,8 @@ def run_one(flow: Workflow, sample, engine: Engine, prompts: list | None = None)
              "prompt": decode(st.request.prompt_ids)}
             for i, st in enumerate(sr.steps)
         ]  # fmt: skip
-    pred, correct = flow.workload.score(sample, sr.final_text)
     reqs = request_records(sr, engine.n_layers, sample_id=sample.id)
-    sample_rec = {
-        "sample_id": sample.id,
-        "gold": sample.gold,
-        "prediction": pred,
-        "correct": bool(correct),
-        "latency_s": sum(s.result.e2e_s for s in sr.steps),
-        "ttft_s": sum(s.result.ttft_s for s in sr.steps) / len(sr.steps),
-        "final_output": sr.final_text,
-        "meta": sample.meta,
-    }
+    sample_rec = sample_record(flow.workload, sample, sr.final_text, reqs)
     if sr.visual is not None:
         sample_rec["visual"] = sr.visual
     return sample_rec, reqs

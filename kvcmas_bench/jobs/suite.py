@@ -50,6 +50,7 @@ from ..settings import EvalSettings, cli, comma_items, derive
 from ..workloads import get_workload
 from .run import RunOptions, check_sandbox, select_samples
 from .run import run as run_job
+from .served import one_server
 
 #: settings a resumed suite directory must share (they change every result)
 STRICT_KEYS = (
@@ -130,6 +131,16 @@ def shard_cells(cells: list[Cell], shard: tuple[int, int] | None) -> list[Cell]:
     return mine
 
 
+def check_cell_engine(opts: EvalSettings, workload, specs) -> None:
+    """The cells' engine can run ``workload`` and every method of ``specs`` (one line otherwise)."""
+    if opts.engine == "vllm":
+        from ..serving.engines import check_engine
+        from .served import check_served
+
+        check_engine("vllm", specs)
+        check_served(opts, workload)
+
+
 def run_options(opts: SuiteOptions, cell: Cell) -> RunOptions:
     """The ``run`` options of one cell (method options filtered to the method's own knobs)."""
     knobs = METHODS[cell.method].knobs()
@@ -152,6 +163,10 @@ def plan_suite(opts: SuiteOptions) -> list[Cell]:
     if isinstance(opts.repeats, bool) or not isinstance(opts.repeats, int) or opts.repeats < 1:
         raise BenchError(f"--repeats must be a whole number >= 1, got {opts.repeats!r}")
     methods = expand_methods(opts.methods)
+    if opts.engine == "vllm" and "all" in opts.methods:  # all that the engine runs (named ones are checked)
+        from ..serving.vllm.http import why_not_http
+
+        methods = [m for m in methods if not why_not_http(METHODS[m])]
     methods = ["nonshared"] + [m for m in methods if m != "nonshared"]
     workloads = list(dict.fromkeys(opts.workloads))
     if not workloads:
@@ -164,6 +179,7 @@ def plan_suite(opts: SuiteOptions) -> list[Cell]:
     for w in workloads:
         workload = get_workload(w)
         specs = resolve_methods(methods, opts.method_args, workload)
+        check_cell_engine(opts, workload, specs)
         data = workload.load()
         n = len(select_samples(data, opts.limit, opts.seed))  # the same for every seed
         if n == 0:
@@ -257,9 +273,10 @@ def _run_cells(opts: SuiteOptions, planned: list[Cell], out_dir: Path, progress)
     res = SuiteResult(out_dir, cells, skipped=[c.name for c in cells if is_done(manifest["cells"][c.name], c.n)])
     if progress is not None:
         progress.begin(cells, set(res.skipped))
-    for cell in cells:
-        if cell.name not in res.skipped:
-            run_cell(cell.name, run_options(opts, cell), manifest, out_dir, res.failed, progress, cell)
+    with one_server(opts):
+        for cell in cells:
+            if cell.name not in res.skipped:
+                run_cell(cell.name, run_options(opts, cell), manifest, out_dir, res.failed, progress, cell)
     if len(res.failed) < len(cells):
         res.report = build_report([out_dir], out_dir / "report", opts.report_formats, opts.plots)
     return res

@@ -43,6 +43,7 @@ RESUME_KEYS = (
     "rounds",
     "target_reuse",
     "warmup_samples",
+    "engine",
 )
 
 

@@ -277,6 +277,9 @@ class TrajectoryRun:
         self.nodes = trace_nodes(trace) if trace is not None else []
         self.id = trace.id if trace is not None else trajectory_id
         self.store: dict[str, list[tuple[int, SegmentKV]]] = {}
+        #: NonShared keeps no cache, so its store stays empty: per slot, the agents that materialized
+        #: it, so a segment counts as eligible where the other engines (which keep the dense caches) see a source
+        self.produced: dict[str, list[int]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.steps: list[AgentStep] = []
         self.records: list[RequestRecord] = []
@@ -331,7 +334,8 @@ class TrajectoryRun:
             a.pos += S
             return
         if self.plain:  # NonShared: vLLM prefills it, nobody needs its cache
-            kv, mode, took, eligible = None, "computed", 0.0, self.method.eligible(a.sources.get(seg.slot) is not None)
+            had = any(p in a.node.ancestors for p in self.produced.get(seg.slot, ()))
+            kv, mode, took, eligible = None, "computed", 0.0, self.method.eligible(had)
             rec_kw: dict = {"status": "exact", "prefilled_tokens": S}
         else:
             ctx = PlanContext(self.rt.facts, a.request, seg, a.pos, a.sources.get(seg.slot))
@@ -573,6 +577,12 @@ class TrajectoryRun:
 
     def _chain(self, a: _Agent, out: list[int], output_kv: SegmentKV | None) -> None:
         """Sources for later agents, as :func:`~kvcmas_bench.workflow.execute` keeps them."""
+        if self.plain:
+            for seg in a.request.segments:
+                if seg.kind == "PH":
+                    self.produced.setdefault(seg.slot, []).append(self.index)
+            if out:
+                self.produced.setdefault(out_slot(a.node), []).append(self.index)
         for slot, kv in a.materialized.items():
             self.store.setdefault(slot, []).append((self.index, kv))
         if output_kv is not None:

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -34,7 +34,9 @@ from urllib.parse import urlparse
 from ...errors import BenchError
 from ...methods import Method, MethodSpec
 from ...results.request import RequestRecord
-from ..engines import EngineLost, Schedules, ServeResult
+from ...segments import Request
+from ...workflow import Node
+from ..engines import EngineLost, Schedules, ServeResult, trace_nodes
 from ..traces import Trace
 from .flow import agent_output
 from .guard import PROTOCOL, expected_salt, new_secret
@@ -355,9 +357,24 @@ class ClientSession:
     #: the method's name in the sweep (its records' ``method``)
     label: str = ""
     sent_refs: dict = field(default_factory=dict)
-    #: system prompts captured on the worker for this session (they end with it)
-    system_sent: set = field(default_factory=set)
+    #: system prompts captured on the worker for this session (they end with it), by ids: set once in
+    system_sent: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class Unit:
+    """What the client sends as one trajectory: a serving trace, or a workload sample's agent graph
+    (``run --engine vllm``). Its agents go in node order, each sent when the one before it ended."""
+
+    id: str
+    nodes: list[Node]
+    #: ``request(index, outputs)``: agent ``index``'s whole request given the outputs so far (by node id)
+    request: Callable[[int, dict[str, list[int]]], Request]
+
+
+def trace_unit(trace: Trace) -> Unit:
+    return Unit(trace.id, trace_nodes(trace), lambda i, outputs: trace.request(i, outputs))
 
 
 @dataclass
@@ -370,6 +387,9 @@ class AgentSent:
     prompt: list[int] = field(default_factory=list)
     #: the agent's output length as the client cut it (its next agents' prompts hold that output)
     output_tokens: int | None = None
+    #: the agent's position in its unit, and its output as the client cut it
+    index: int = 0
+    output: list[int] = field(default_factory=list)
 
 
 #: vLLM's own TTFT histogram (frontend arrival to the first token's output processing)
@@ -499,7 +519,9 @@ class VLLMServerEngine(ServedModel):
             "prompt": [int(t) for t in prompt],
             "max_tokens": max_tokens,
             "temperature": 0.0,
-            "ignore_eos": True,
+            # run's agents stop at EOS (the client cuts at the same ids: agent_output); traces ignore it
+            "ignore_eos": self.ignore_eos,
+            **({} if self.ignore_eos else {"stop_token_ids": sorted(self.eos_ids)}),
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
@@ -526,13 +548,24 @@ class VLLMServerEngine(ServedModel):
     def _system_prompts(self, sess: ClientSession, traces: Sequence[Trace]) -> None:
         """Exact K/V of every agent's system prompt, captured on the worker once before timing."""
         for tr in traces:
-            for a in tr.agents:
+            for a in getattr(tr, "agents", ()):  # a Unit's are captured as its agents are sent
                 segs = a.segments
                 if len(segs) > 1 and segs[0]["kind"] == "PF" and segs[0]["ids"] and segs[1]["kind"] == "PH":
-                    ids = tuple(segs[0]["ids"])
-                    if ids not in sess.system_sent:
-                        self._request(ids, 1, capture_params(sess.id, "system"), salt=self._key())
-                        sess.system_sent.add(ids)
+                    self._system_prompt(sess, tuple(segs[0]["ids"]))
+
+    def _system_prompt(self, sess: ClientSession, ids: tuple[int, ...]) -> None:
+        """One system prompt captured on the worker, once per session (concurrent senders wait for
+        the first); the prompt of a request that opens ``[PF_sys, PH, ...]``."""
+        with sess.lock:
+            ev = sess.system_sent.get(ids)
+            mine = ev is None
+            if mine:
+                ev = sess.system_sent[ids] = threading.Event()
+        if mine:
+            self._request(ids, 1, capture_params(sess.id, "system"), salt=self._key())
+            ev.set()
+        else:
+            ev.wait()
 
     def _reference(self, sess: ClientSession, ids: tuple[int, ...]) -> None:
         """A context-free prefill of shared content, once per content per session (the worker keeps
@@ -551,26 +584,29 @@ class VLLMServerEngine(ServedModel):
     def _trajectory(
         self,
         sess: ClientSession,
-        trace: Trace,
+        unit: Unit,
         qps,
         arrival: float | None,
         t0: float,
         out: list,
         calibrating: bool = False,
     ) -> None:
-        """One trajectory's agents in order; ``arrival`` (None: now, single stream) on the point's
-        clock. ``calibrating``: a held-out calibration trajectory the worker's recorder keeps."""
+        """One unit's agents in order; ``arrival`` (None: now, single stream) on the point's clock.
+        ``calibrating``: a held-out calibration trajectory the worker's recorder keeps."""
         now = lambda: time.perf_counter() - t0  # noqa: E731
         if arrival is not None and arrival > now():
             time.sleep(arrival - now())
         outputs: dict[str, list[int]] = {}
-        tid = f"{trace.id}@{qps}"
-        n = len(trace.agents)
+        tid = f"{unit.id}@{qps}"
+        n = len(unit.nodes)
         stop_first = self.opts.stop_at_first_token
-        for i, spec in enumerate(trace.agents):
+        for i, node in enumerate(unit.nodes):
+            req = unit.request(i, outputs)
+            req.node = node.id
+            segs = req.segments
+            if len(segs) > 1 and segs[0].kind == "PF" and segs[0].ids and segs[1].kind == "PH":
+                self._system_prompt(sess, tuple(segs[0].ids))  # captured before timing (serve-sweep: all)
             arr = arrival if (i == 0 and arrival is not None) else now()
-            req = trace.request(i, outputs)
-            req.node = spec.name
             if sess.references:
                 for seg in req.segments:
                     if seg.kind == "PH":
@@ -583,7 +619,7 @@ class VLLMServerEngine(ServedModel):
                 tid,
                 i,
                 req,
-                list(range(i)),
+                sorted(node.ancestors),
                 key,
                 last=i == n - 1,
                 capture_output=not stop_first,
@@ -596,11 +632,14 @@ class VLLMServerEngine(ServedModel):
             # the worker's definition of the output, on the same tokens: what its record and the next
             # agent's source hold (checked against its record in _records)
             toks = agent_output(got.tokens, req.max_new_tokens, self.eos_ids, self.ignore_eos)
-            outputs[spec.name] = toks
-            out.append(AgentSent(key, trace.id, spec.name, arr, got, list(req.prompt_ids), len(toks)))
+            outputs[node.id] = toks
+            out.append(AgentSent(key, unit.id, node.id, arr, got, list(req.prompt_ids), len(toks), i, toks))
 
     def _serve_point(self, sess: ClientSession, traces, arrivals, qps, calibrating: bool = False) -> list[AgentSent]:
+        """Every trajectory (a :class:`Trace` or a :class:`Unit`) of one point: one after another
+        (``arrivals`` None), or each in its own thread from its arrival time."""
         sent: list[AgentSent] = []
+        traces = [t if isinstance(t, Unit) else trace_unit(t) for t in traces]
         t0 = time.perf_counter()
         if arrivals is None:  # single stream: one trajectory after another
             for tr in traces:
@@ -611,7 +650,7 @@ class VLLMServerEngine(ServedModel):
 
         def run(tr, at):
             try:
-                self._trajectory(sess, tr, qps, at, t0, sent)
+                self._trajectory(sess, tr, qps, at, t0, sent, calibrating)
             except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread)
                 errors.append(exc)
 
@@ -666,27 +705,29 @@ class VLLMServerEngine(ServedModel):
 
     def _records(self, sess: ClientSession, sent: list[AgentSent], qps) -> list[RequestRecord]:
         session, by_key = self.report(sess)
-        out = []
-        for s in sorted(sent, key=lambda s: s.streamed.done_s):
-            d = by_key.get(s.key)
-            if d is None:
-                raise BenchError(f"the vLLM worker has no record of request {s.key}")
-            if "error" in d and "segments" not in d:
-                raise BenchError(f"the vLLM worker could not plan request {s.key}: {d['error']}")
-            rec = RequestRecord.from_dict(d)
-            if s.output_tokens is not None and rec.output_tokens != s.output_tokens:
-                raise BenchError(
-                    f"request {s.key}: the vLLM worker recorded {rec.output_tokens} output tokens, the client "
-                    f"sent the next agents {s.output_tokens}"
-                )
-            st = s.streamed
-            rec.qps, rec.arrival_s, rec.start_s = qps, s.arrival_s, st.sent_s
-            rec.first_token_s, rec.completion_s = st.first_s, st.done_s
-            rec.queue_s = st.sent_s - s.arrival_s
-            rec.ttft_s, rec.e2e_s = st.first_s - s.arrival_s, st.done_s - s.arrival_s
-            out.append(rec)
+        out = [self.record(s, by_key.get(s.key), qps) for s in sorted(sent, key=lambda s: s.streamed.done_s)]
         self.last_session = session
         return out
+
+    @staticmethod
+    def record(s: AgentSent, d: dict | None, qps) -> RequestRecord:
+        """The worker's record ``d`` of the request ``s``, completed with the client's clock."""
+        if d is None:
+            raise BenchError(f"the vLLM worker has no record of request {s.key}")
+        if "error" in d and "segments" not in d:
+            raise BenchError(f"the vLLM worker could not plan request {s.key}: {d['error']}")
+        rec = RequestRecord.from_dict(d)
+        if s.output_tokens is not None and rec.output_tokens != s.output_tokens:
+            raise BenchError(
+                f"request {s.key}: the vLLM worker recorded {rec.output_tokens} output tokens, the client "
+                f"sent the next agents {s.output_tokens}"
+            )
+        st = s.streamed
+        rec.qps, rec.arrival_s, rec.start_s = qps, s.arrival_s, st.sent_s
+        rec.first_token_s, rec.completion_s = st.first_s, st.done_s
+        rec.queue_s = st.sent_s - s.arrival_s
+        rec.ttft_s, rec.e2e_s = st.first_s - s.arrival_s, st.done_s - s.arrival_s
+        return rec
 
     # ---- the ServingEngine protocol ------------------------------------------------------------------
     def session(self, spec: MethodSpec) -> tuple[Method, ClientSession]:
