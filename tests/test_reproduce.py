@@ -230,3 +230,23 @@ def test_a_foreign_directory_is_refused_before_the_plan_prints_or_a_model_loads(
     (tmp_path / "f").write_text("x")
     assert run_cli(["reproduce", "--scale", "smoke", "-o", str(tmp_path / "f")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_on_vllm_the_accuracy_suites_run_there_and_the_fidelity_experiments_stay_in_process():
+    """--engine vllm: Table 1 and the seeds on the deployment (samples in flight), Table 1's two
+    methods vLLM cannot run in-process beside it (their facts count as Table 1's), and every
+    experiment that records fidelity (analyses, ablations) in-process."""
+    from kvcmas_bench.reproduce.plan import CONCURRENCY, plan
+
+    exps = {e.name: e for e in plan("smoke", "vllm")}
+    served = ["--engine", "vllm", "--max-concurrency", str(CONCURRENCY["smoke"])]
+    for name in ("table1", "seeds"):
+        argv = exps[name].argv
+        assert argv[argv.index("--engine") :][:4] == served, name
+    part = exps["table1-in-process"]
+    assert part.facts_as == "table1" and "--engine" not in part.argv
+    assert part.argv[part.argv.index("--methods") + 1] == "droidspeak,relaycaching"
+    for name in ("chain", "ablate-rank", "ablate-anchors", "ablate-agents", "ablate-rounds"):
+        assert "--engine" not in exps[name].argv, name
+    assert "table1-in-process" not in {e.name for e in plan("smoke")}
+    assert all("--engine" not in e.argv for e in plan("smoke") if e.reader == "runs")

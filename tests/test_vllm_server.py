@@ -1209,3 +1209,45 @@ def test_sharing_methods_run_through_the_same_command_with_rho_and_accounting(sr
             assert statuses and all(st == "corrected" for st in statuses)
         if method in ("kvcmas", "kvcomm"):
             assert any(r.get("method_stats") for r in reqs), method  # the gate's decisions, counted on the worker
+
+
+@needs_vllm
+def test_an_interrupted_run_on_the_vllm_server_keeps_its_samples_and_resumes(srv, tiny_dir, tmp_path, monkeypatch):
+    """Ctrl-C while the second of 4 samples (2 in flight) is being written: exit 130, the finished
+    sample's lines kept byte for byte; the rerun runs only the 3 others and every reader accepts
+    the directory."""
+    import kvcmas_bench.jobs.served as served
+
+    from .conftest import interrupt_on_call
+
+    out = tmp_path / "r"
+    args = _run_args(tiny_dir, out, "kvcmas", limit=4)
+    args += ["--engine", "vllm", "--engine-arg", f"base_url={srv.base_url}", "--max-concurrency", "2"]
+    real = interrupt_on_call(monkeypatch, served, "served_records", 2)
+    assert run_cli(args) == 130
+    kept = (out / "samples.jsonl").read_bytes()
+    assert kept.count(b"\n") == 1 and (out / "requests.jsonl").read_bytes().count(b"\n") == 4
+    monkeypatch.setattr(served, "served_records", real)
+    assert run_cli(args) == 0
+    assert (out / "samples.jsonl").read_bytes().startswith(kept)
+    assert len(_lines(out / "samples.jsonl")) == 4 and len(_lines(out / "requests.jsonl")) == 16
+    assert json.loads((out / "summary.json").read_text())["engine"]["samples_run"] == 3
+    assert run_cli(["report", str(out)]) == 0
+
+
+@needs_vllm
+def test_a_suite_on_the_vllm_server_adds_the_noise_floor_and_reports_it(srv, tiny_dir, tmp_path):
+    """``suite --engine vllm --max-concurrency 2``: every cell on the deployment, plus NonShared one
+    sample at a time, whose agreement with NonShared at 2 is the noise floor Table 1 reports."""
+    out = tmp_path / "suite"
+    args = ["suite", "--model", tiny_dir, "--methods", "fullshared", "--workloads", "mmlu", "--limit", "3",
+            "--max-new-tokens", "6", "--final-max-new-tokens", "4", "-o", str(out), "--engine", "vllm",
+            "--engine-arg", f"base_url={srv.base_url}", "--max-concurrency", "2", "--no-plots"]  # fmt: skip
+    assert run_cli(args) == 0
+    cells = json.loads((out / "suite.json").read_text())["cells"]
+    assert sorted(cells) == ["mmlu/fullshared", "mmlu/nonshared", "mmlu/nonshared-c1"]
+    assert json.loads((out / "mmlu" / "nonshared-c1" / "config.json").read_text())["max_concurrency"] == 1
+    assert json.loads((out / "mmlu" / "fullshared" / "config.json").read_text())["max_concurrency"] == 2
+    md = (out / "report" / "report.md").read_text()
+    assert "Noise floor: NonShared against itself" in md
+    assert "Agreement with NonShared within noise" in md or "Agreement with NonShared below noise" in md

@@ -337,7 +337,7 @@ def _run_points(opts: AblateOptions, points: list[Point], out_dir: Path, progres
     res.skipped = [p.cell for p in points if is_done(manifest["cells"][p.cell], p.n)]
     if progress is not None:
         progress.begin(cells, set(res.skipped))
-    with one_server(opts):
+    with one_server(opts, start=any(p.cell not in res.skipped for p in points)):
         for p, c in zip(points, cells):
             if p.cell not in res.skipped:
                 run_cell(p.cell, _run_options(opts, p, out_dir), manifest, out_dir, res.failed, progress, c)

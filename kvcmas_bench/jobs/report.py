@@ -190,6 +190,27 @@ def samples_note(g: pd.DataFrame) -> str | None:
     return None
 
 
+def noise_notes(g: pd.DataFrame) -> list[str]:
+    """The group's noise floor (two NonShared runs' agreement) and which methods agree with
+    NonShared within it."""
+    if "noise_answer_agreement" not in g or g["noise_answer_agreement"].isna().all():
+        return []
+    r = g[g["noise_answer_agreement"].notna()].iloc[0]
+    f3 = lambda v: "-" if v is None or pd.isna(v) else f"{v:.3f}"  # noqa: E731
+    out = [
+        f"Noise floor: NonShared against itself ({r['noise_pair']}) agrees on "
+        f"{f3(r['noise_answer_agreement'])} ± {f3(r.get('noise_answer_agreement_se'))} of answers and "
+        f"{f3(r.get('noise_first_token_agreement'))} of first tokens: the engine's own disagreement "
+        "(greedy decoding is not batch-invariant), beside which every agreement with NonShared is read."
+    ]
+    for verdict in ("within noise", "below noise") if "agreement_vs_noise" in g else ():
+        names = g[g["agreement_vs_noise"] == verdict]["label"].tolist()
+        if names:
+            rule = f"exact McNemar against the floor, p < {MARK_ALPHA:g}"
+            out.append(f"Agreement with NonShared {verdict} ({rule}): {', '.join(names)}.")
+    return out
+
+
 def mark_notes(g: pd.DataFrame) -> list[str]:
     """The ties of the best / second-best rule, named."""
     n = int(g["n"].max()) if g["n"].notna().any() else 0
@@ -231,7 +252,7 @@ def table1_sections(t1: pd.DataFrame) -> list[Section]:
             notes.append(f"Agreement reference: {', '.join(refs)} (at least {n} common samples per run).")
         else:
             notes.append("No NonShared run over the same samples among the inputs: agreement not reported.")
-        notes += mark_notes(g) + [UNCERTAINTY_NOTE]
+        notes += noise_notes(g) + mark_notes(g) + [UNCERTAINTY_NOTE]
         models = ", ".join(sorted({str(m) for m in g["model"]}))
         devices = ", ".join(sorted({str(d) for d in g["device"]}))
         title = f"Table 1: {table} ({models} on {devices}; n = {', '.join(sorted({str(x) for x in g['n']}))})"
@@ -406,7 +427,7 @@ def console_table1(res: ReportResult, console: Console) -> None:
             for c in s.columns
         ]
         marked = any(m in ("best", "second") for m in s.marks or [])
-        caption = "\n".join(([MARK_NOTE["console"]] if marked else []) + mark_notes(g)) or None
+        caption = "\n".join(([MARK_NOTE["console"]] if marked else []) + noise_notes(g) + mark_notes(g)) or None
         console.print(fitted_table(console, s.title, cols, rows, caption, more))
     for s in repeats_sections(res.repeats):
         console.print(fitted_table(console, s.title, s.columns, s.rows, None, more))

@@ -279,6 +279,12 @@ def judge(res: ReproduceResult, claims: list[Claim], exps: list[Experiment], out
     """Collect the facts of every finished experiment and evaluate every claim's rule on them."""
     readable = {e.name: (e.reader, out / e.name) for e in exps if not e.skip and (out / e.name).exists()}
     facts, paired, problems = collect(readable)
+    for e in exps:  # a part of an experiment run apart (Table 1's in-process methods beside vLLM's)
+        if e.facts_as:
+            facts.loc[facts["experiment"] == e.name, "experiment"] = e.facts_as
+            paired.loc[paired["experiment"] == e.name, "experiment"] = e.facts_as
+            if e.name in problems:
+                problems.setdefault(e.facts_as, problems[e.name])
     by_name = {e.name: e for e in exps}
     for c in claims:
         e = by_name[c.experiment]

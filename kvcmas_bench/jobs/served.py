@@ -62,10 +62,11 @@ def check_served(opts: EvalSettings, workload: Workload) -> None:
 
 
 @contextmanager
-def one_server(opts: EvalSettings) -> Iterator[None]:
+def one_server(opts: EvalSettings, start: bool = True) -> Iterator[None]:
     """The cells of a suite or ablation on ``--engine vllm`` share one server: started here for all
-    of them (each cell's client gets its ``base_url``), unless ``--engine-arg base_url`` names one."""
-    if opts.engine != "vllm" or opts.engine_args.get("base_url"):
+    of them (each cell's client gets its ``base_url``), unless ``--engine-arg base_url`` names one
+    or nothing is left to run (``start`` False)."""
+    if opts.engine != "vllm" or opts.engine_args.get("base_url") or not start:
         yield
         return
     from ..serving import get_engine
@@ -96,16 +97,7 @@ def run_served(opts, workload: Workload, spec: MethodSpec, progress=None) -> dic
     )  # fmt: skip
     try:
         check_model(opts, workload, spec, engine.config)
-        flow = Workflow(
-            SimpleNamespace(tokenizer=engine.tokenizer),
-            None,
-            workload,
-            opts.max_new_tokens,
-            opts.final_max_new_tokens,
-            topology=opts.topology,
-            agents=opts.agents,
-            rounds=opts.rounds,
-        )
+        flow = sample_flow(opts, workload, engine.tokenizer)
         client = SampleClient(engine, flow, spec)
         out = RunDir(opts.output_path, served_config(opts, engine, client, flow, samples, calib, warm))
         out.repair()
@@ -143,6 +135,21 @@ def run_served(opts, workload: Workload, spec: MethodSpec, progress=None) -> dic
     summary["engine"] = {"name": "vllm", "max_concurrency": opts.max_concurrency, **throughput(n_run, wall)}
     write_json(out.summary_path, summary)
     return summary
+
+
+def sample_flow(opts, workload: Workload, tokenizer) -> Workflow:
+    """The run's agent graph and prompt rendering (the in-process ``run``'s :class:`Workflow`, with
+    the tokenizer only: vLLM executes the requests)."""
+    return Workflow(
+        SimpleNamespace(tokenizer=tokenizer),
+        None,
+        workload,
+        opts.max_new_tokens,
+        opts.final_max_new_tokens,
+        topology=opts.topology,
+        agents=opts.agents,
+        rounds=opts.rounds,
+    )
 
 
 def engine_device(engine) -> str:

@@ -94,10 +94,12 @@ class Cell:
     n: int
     #: the repeat (seed offset); repeat 0 is the suite's own cell
     repeat: int = 0
+    #: samples in flight of this cell when not the suite's (the noise floor's NonShared at 1)
+    max_concurrency: int | None = None
 
     @property
     def name(self) -> str:
-        cell = f"{self.workload}/{self.method}"
+        cell = f"{self.workload}/{self.method}" + (f"-c{self.max_concurrency}" if self.max_concurrency else "")
         return cell if self.repeat == 0 else f"repeat-{self.repeat}/{cell}"
 
 
@@ -152,6 +154,7 @@ def run_options(opts: SuiteOptions, cell: Cell) -> RunOptions:
         workload=cell.workload,
         output_path=str(Path(opts.output_path) / cell.name),
         seed=opts.seed + cell.repeat,
+        max_concurrency=cell.max_concurrency or opts.max_concurrency,
         method_args={k: v for k, v in opts.method_args.items() if k in knobs},
     )
 
@@ -189,7 +192,14 @@ def plan_suite(opts: SuiteOptions) -> list[Cell]:
             raise BenchError(f"{', '.join(calibrating)} need held-out calibration samples on {w}; lower --limit")
         sizes[w] = n
     # repeat by repeat: an interrupted suite has whole repeats done first
-    return [Cell(w, m, sizes[w], r) for r in range(opts.repeats) for w in workloads for m in methods]
+    # on a batching engine, NonShared once more one sample at a time: the noise floor of every agreement
+    floor = [1] if opts.engine == "vllm" and opts.max_concurrency > 1 else []
+    return [
+        cell
+        for r in range(opts.repeats)
+        for w in workloads
+        for cell in [Cell(w, m, sizes[w], r) for m in methods] + [Cell(w, "nonshared", sizes[w], r, c) for c in floor]
+    ]
 
 
 def resume_manifest(out_dir: Path, command: str, settings: dict, strict_keys: tuple) -> tuple[dict, dict]:
@@ -273,7 +283,7 @@ def _run_cells(opts: SuiteOptions, planned: list[Cell], out_dir: Path, progress)
     res = SuiteResult(out_dir, cells, skipped=[c.name for c in cells if is_done(manifest["cells"][c.name], c.n)])
     if progress is not None:
         progress.begin(cells, set(res.skipped))
-    with one_server(opts):
+    with one_server(opts, start=any(c.name not in res.skipped for c in cells)):
         for cell in cells:
             if cell.name not in res.skipped:
                 run_cell(cell.name, run_options(opts, cell), manifest, out_dir, res.failed, progress, cell)

@@ -25,6 +25,12 @@ Wilson score interval (:mod:`kvcmas_bench.results.stats`). The accuracy differen
 (``accuracy_delta``) carries the exact McNemar test on the paired samples (``mcnemar_b``: samples
 the method gets right and NonShared wrong, ``mcnemar_c``: the reverse, ``mcnemar_p``).
 
+**Noise floor** (:func:`noise_floor`): where a group holds two NonShared runs (e.g. on vLLM at two
+concurrencies), their agreement is the engine's own noise for every agreement with NonShared
+(``noise_answer_agreement``, ``noise_first_token_agreement``, ``noise_pair``), and each sharing
+run's answer agreement is ``within noise`` unless it is significantly below the floor's
+(``agreement_vs_noise``: exact McNemar on the paired per-sample agreements, p < :data:`MARK_ALPHA`).
+
 **Best marks** (:func:`mark_best`): among the sharing methods of a group, ``best`` goes to the
 highest accuracy only when it is significantly higher than *every* other one (exact McNemar,
 two-sided p < :data:`MARK_ALPHA` on the common samples, each pair); ``second`` likewise to the
@@ -84,18 +90,66 @@ def run_metrics(run: Run, ids: set | None = None) -> dict:
     return run_figures(_only(run.samples, ids), _only(run.requests, ids))
 
 
+def engine_of(run: Run) -> tuple[str, int]:
+    """The engine that ran ``run`` and its samples in flight (``config.json``: ``engine``,
+    ``max_concurrency``; the in-process engine runs one at a time)."""
+    engine = str(run.config.get("engine") or "in-process")
+    return ("vllm" if engine.startswith("vllm") else "in-process"), int(run.config.get("max_concurrency") or 1)
+
+
 def reference_for(run: Run, runs: list[Run]) -> Run | None:
     """The NonShared run with the same settings sharing the most samples with ``run`` (itself for
-    a NonShared run), or None."""
+    a NonShared run), or None; of several sharing as many, the one on the same engine and
+    concurrency as ``run``."""
     if run.method == REFERENCE:
         return run
-    best, overlap = None, 0
+    best, rank = None, (0, False)
     for ref in runs:
         if ref.method == REFERENCE and ref.settings() == run.settings():
             n = len(ref.sample_ids & run.sample_ids)
-            if n > overlap:
-                best, overlap = ref, n
+            here = (n, engine_of(ref) == engine_of(run))
+            if n > 0 and here > rank:
+                best, rank = ref, here
     return best
+
+
+def noise_floor(runs: list[Run], ids: set | None = None) -> tuple[Run, Run] | None:
+    """Two NonShared runs of one comparison group (the first met, and the other sharing the most
+    samples with it), whose agreement is the engine's own noise floor for every agreement with
+    NonShared: greedy decoding on a batching engine is not batch-invariant, so NonShared can
+    disagree with itself across concurrencies. None with fewer than two."""
+    refs = [r for r in runs if r.method == REFERENCE and r.sample_ids]
+    if len(refs) < 2:
+        return None
+    first = refs[0]
+    other = max(refs[1:], key=lambda r: len(r.sample_ids & first.sample_ids & (ids or r.sample_ids)))
+    return (first, other) if first.sample_ids & other.sample_ids else None
+
+
+def _agree_vector(run: Run, ref: Run, ids: set) -> list[bool]:
+    s = sample_agreement(run, ref, ids).set_index("sample_id")["agree"]
+    return [bool(s.get(i, False)) for i in sorted(ids)]
+
+
+def noise_figures(run: Run, ref: Run | None, floor: tuple[Run, Run] | None, ids: set | None) -> dict:
+    """The group's noise floor beside ``run``'s agreement with its reference: the agreement of the
+    floor's two NonShared runs (answers and first tokens), and for a sharing run whether its answer
+    agreement is ``within noise`` (not below the floor's by exact McNemar on the paired samples,
+    p >= :data:`MARK_ALPHA`: the accuracy marks' test) or ``below noise``."""
+    if floor is None:
+        return {}
+    a, b = floor
+    common = a.sample_ids & b.sample_ids & (ids if ids is not None else a.sample_ids)
+    out = {f"noise_{k}": v for k, v in agreement(b, a, common).items() if k != "reference"}
+    out["noise_pair"] = f"{a.run_id} vs {b.run_id}"
+    if ref is None or run.method == REFERENCE:
+        return out
+    paired = common & run.sample_ids & ref.sample_ids
+    if paired:
+        mine, noise = _agree_vector(run, ref, paired), _agree_vector(b, a, paired)
+        below = sum(mine) < sum(noise) and mcnemar_exact(*discordant(mine, noise)) < MARK_ALPHA
+        out["agreement_vs_noise"] = "below noise" if below else "within noise"
+    return out
 
 
 def answer_key(run: Run) -> str:
@@ -204,6 +258,7 @@ def _group_rows(runs: list[Run], all_runs: list[Run], title: str, common: bool) 
     ids = common_samples(runs) if common else set()
     scope = "own" if not ids else ("all" if all(r.sample_ids == ids for r in runs if r.sample_ids) else "common")
     use = ids or None
+    floor = noise_floor(runs, use)
     rows = []
     for run in runs:
         ref = reference_for(run, all_runs) if run.sample_ids else None  # a run killed before its first sample
@@ -222,6 +277,7 @@ def _group_rows(runs: list[Run], all_runs: list[Run], title: str, common: bool) 
                 **run_metrics(run, use),
                 **agreement(run, ref, use),
                 **paired_accuracy(run, ref, use),
+                **noise_figures(run, ref, floor, use),
             }
         )
     sharing = {r.run_id: outcomes(r, ids) for r in runs if r.method != REFERENCE and ids and r.sample_ids}

@@ -37,6 +37,10 @@ VLM_WORKLOADS = ("mathvista", "videomme")
 #: and a 20-sample run; the estimate's only workload constant)
 PROMPT_TOKENS = {"mmlu": 245, "gsm8k": 320, "humaneval": 420, "mathvista": 900, "videomme": 2200}
 AGENTS = 4
+#: samples in flight of the accuracy suites on ``--engine vllm``, per scale
+CONCURRENCY = {"smoke": 4, "small": 16, "paper": 32}
+#: Table 1's methods the vLLM engine cannot run (they enter layers with the source's hidden states)
+NOT_ON_VLLM = ("droidspeak", "relaycaching")
 #: bytes written per agent request record (requests.jsonl, with segment records), for the disk estimate
 RECORD_BYTES = 3000
 
@@ -52,6 +56,8 @@ class Experiment:
     what: str
     #: why it cannot run here (it is listed, skipped, and its claims are "not comparable")
     skip: str | None = None
+    #: the experiment whose claims its facts belong to (None: its own; a part of one run apart)
+    facts_as: str | None = None
     requests: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -218,7 +224,7 @@ def plan(scale: str, engine: str = "in-process", vlm_model: str | None = None) -
         out.append(Experiment(name, reader, argv, what))
         return out[-1]
 
-    _accuracy_experiments(add, z, scale)
+    _accuracy_experiments(add, z, scale, engine)
     _serving_experiments(add, z, scale, engine)
     for name, argv, what, wl in (
         ("chain-vlm", ["analyze", "chain", "--workloads", "videomme", *_eval_flags(z, z.chain_limit)],
@@ -239,15 +245,29 @@ def plan(scale: str, engine: str = "in-process", vlm_model: str | None = None) -
     return out
 
 
-def _accuracy_experiments(add, z: Sizes, scale: str) -> None:
-    """Table 1, the seeds, the chain and rank analyses and the four ablations (text workloads)."""
+def _accuracy_experiments(add, z: Sizes, scale: str, engine: str = "in-process") -> None:
+    """Table 1, the seeds, the chain and rank analyses and the four ablations (text workloads).
+
+    ``engine`` "vllm": Table 1 and the seeds run on the vLLM deployment, :data:`CONCURRENCY` samples
+    in flight (Table 1's methods that vLLM cannot run, in-process beside them: their own suite with
+    its own NonShared); the analyses and ablations record fidelity, which only the in-process
+    engine measures, so they stay there."""
     wl = _csv(z.workloads)
     reps = "3" if scale == "paper" else "1"
+    served = ["--engine", "vllm", "--max-concurrency", str(CONCURRENCY[scale])] if engine == "vllm" else []
     e = add("table1", "runs", ["suite", "--methods", "all", "--workloads", wl, *_eval_flags(z, z.limit),
-                               "--repeats", reps], "Table 1: every method (accuracy, latency, TTFT, peak memory)")
+                               "--repeats", reps, *served],
+            "Table 1: every method (accuracy, latency, TTFT, peak memory)")
     _runs_cost(e, z, z.workloads, z.limit, METHODS_ALL, 3, repeats=int(reps))
+    if served:
+        e.what += " on vLLM, the methods it runs"
+        e = add("table1-in-process", "runs", ["suite", "--methods", _csv(NOT_ON_VLLM), "--workloads", wl,
+                                              *_eval_flags(z, z.limit), "--repeats", reps],
+                "Table 1: the methods vLLM cannot run (they need the source's hidden states), in-process")
+        e.facts_as = "table1"
+        _runs_cost(e, z, z.workloads, z.limit, len(NOT_ON_VLLM) + 1, 3, repeats=int(reps))
     e = add("seeds", "runs", ["suite", "--methods", "kvcmas", "--workloads", wl, *_eval_flags(z, z.seeds_limit),
-                              "--repeats", str(z.repeats), "--no-plots"],
+                              "--repeats", str(z.repeats), "--no-plots", *served],
             "accuracy of KVCMAS over three seeds (Table 5)")
     _runs_cost(e, z, z.workloads, z.seeds_limit, 2, repeats=z.repeats)
     e = add("chain", "runs", ["analyze", "chain", "--workloads", "mmlu", *_eval_flags(z, z.chain_limit)],

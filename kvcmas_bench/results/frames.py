@@ -495,6 +495,8 @@ def _flat_config(r: Run) -> dict:
             mc[k] = r.config[k]
     if r.config.get("warmup_samples"):
         mc["warmup"] = len(r.config["warmup_samples"])
+    mc["engine"] = "vllm" if str(r.config.get("engine") or "").startswith("vllm") else "in-process"
+    mc["max_concurrency"] = r.config.get("max_concurrency") or 1
     for k in SETTING_KEYS[1:]:
         mc[f"{k}"] = r.config.get(k)
     return mc
