@@ -510,6 +510,10 @@ class _PlanProgress:
     def running(self, name: str) -> None:
         self.bar.update(self.task, description=f"running {name} (log: logs/{name}.log)")
 
+    def note(self, message: str) -> None:
+        """One line above the bar (an experiment's old results moved aside)."""
+        err.print(message, highlight=False, markup=False)
+
     def advance(self, weight: float, name: str) -> None:
         self.bar.update(self.task, advance=weight, description=f"finished {name}")
 

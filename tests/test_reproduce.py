@@ -250,3 +250,21 @@ def test_on_vllm_the_accuracy_suites_run_there_and_the_fidelity_experiments_stay
         assert "--engine" not in exps[name].argv, name
     assert "table1-in-process" not in {e.name for e in plan("smoke")}
     assert all("--engine" not in e.argv for e in plan("smoke") if e.reader == "runs")
+
+
+def test_an_experiment_whose_command_changed_moves_its_old_directory_aside(tmp_path):
+    """A reproduce directory from another version (or other model flags): the experiment's old
+    results are moved to ``<name>.superseded-<k>``, byte for byte, before the new command runs;
+    the same command, or no earlier run, moves nothing."""
+    from kvcmas_bench.jobs.reproduce import supersede
+
+    (tmp_path / "rank").mkdir()
+    (tmp_path / "rank" / "rank.json").write_text("old")
+    assert supersede(tmp_path, "rank", {"argv": ["a"], "status": "done"}, ["a"]) is None
+    assert supersede(tmp_path, "rank", {}, ["b"]) is None
+    assert supersede(tmp_path, "missing", {"argv": ["a"]}, ["b"]) is None
+    assert supersede(tmp_path, "rank", {"argv": ["a"], "status": "done"}, ["b"]) == "rank.superseded-1"
+    assert not (tmp_path / "rank").exists()
+    assert (tmp_path / "rank.superseded-1" / "rank.json").read_text() == "old"
+    (tmp_path / "rank").mkdir()
+    assert supersede(tmp_path, "rank", {"argv": ["b"], "status": "failed"}, ["c"]) == "rank.superseded-2"

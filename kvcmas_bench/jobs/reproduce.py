@@ -241,8 +241,7 @@ def reproduce(opts: ReproduceOptions, progress=None, say=print) -> ReproduceResu
                 if progress is not None:
                     progress.advance(weight, f"{e.name} (done before)")
                 continue
-            states[e.name] = {"argv": argv, "status": "running"}
-            write_json(out / "reproduce.json", manifest)
+            _mark_running(out, manifest, e.name, argv, progress)
             if progress is not None:
                 progress.running(e.name)
             rc, secs = run_experiment(e, argv, out / "logs" / f"{e.name}.log")
@@ -268,6 +267,33 @@ def reproduce(opts: ReproduceOptions, progress=None, say=print) -> ReproduceResu
         judge(res, claims, exps, out, states)
         res.files = write_report(res, out, opts)
     return res
+
+
+def supersede(out: Path, name: str, state: dict, argv: list[str]) -> str | None:
+    """An experiment whose command changed since it last ran (another version's plan, other model
+    flags) meets a directory its new command may refuse or mix with: move that directory aside,
+    to ``<name>.superseded-<k>`` beside it (nothing is deleted), and return the new name. None
+    when the command is the same, or there was no earlier run or directory."""
+    old = state.get("argv")
+    here = out / name
+    if old is None or old == argv or not here.exists():
+        return None
+    k = 1
+    while (out / f"{name}.superseded-{k}").exists():
+        k += 1
+    here.rename(out / f"{name}.superseded-{k}")
+    return f"{name}.superseded-{k}"
+
+
+def _mark_running(out: Path, manifest: dict, name: str, argv: list[str], progress) -> None:
+    """Record the experiment as running with ``argv`` (its old directory moved aside first when its
+    command changed: :func:`supersede`)."""
+    states = manifest["experiments"]
+    moved = supersede(out, name, states.get(name, {}), argv)
+    states[name] = {"argv": argv, "status": "running", **({"superseded": moved} if moved else {})}
+    write_json(out / "reproduce.json", manifest)
+    if moved and progress is not None and hasattr(progress, "note"):
+        progress.note(f"{name}: its command changed since it ran; the old results moved to {moved}")
 
 
 def _weight(cost: TokenCost, e: Experiment) -> float:
