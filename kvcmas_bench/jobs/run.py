@@ -20,7 +20,7 @@ from ..segments import UIDS
 from ..settings import EvalSettings, check_positive, cli, comma_list
 from ..workflow import TOPOLOGIES, Workflow, request_records
 from ..workloads import Workload, get_workload
-from .sampling import check_model, pick_samples, sample_record, select_samples, throughput
+from .sampling import check_model, config_keys, pick_samples, sample_record, select_samples, throughput
 
 __all__ = ["RunOptions", "check_sandbox", "resolve_options", "run", "select_samples"]
 
@@ -165,32 +165,15 @@ def prepare(opts: RunOptions) -> Prepared:
 
 def run_config(opts: RunOptions, p: Prepared, flow: Workflow) -> dict:
     return {
-        "method": opts.method,
-        "method_config": p.method.config(),
+        **config_keys(opts, p.method, flow, p.samples, p.calib, p.warm),
         "method_resolved": p.method.resolved(p.engine.device, p.engine.n_kv * p.engine.head_dim),
-        "workload": opts.workload,
         "model": p.lm.name,
         "model_source": p.lm.source,
-        "dtype": opts.dtype,
         "device": str(p.engine.device),
-        "seed": opts.seed,
-        "limit": opts.limit,
-        "subjects": opts.subjects,
-        "data_path": opts.data_path,
-        "max_new_tokens": flow.max_new,
-        "final_max_new_tokens": flow.final_max_new,
         "fidelity": opts.fidelity,
-        "topology": opts.topology,
-        "n_agents": flow.n_agents,
-        "rounds": opts.rounds,
-        "sample_ids": [s.id for s in p.samples],
-        "calibration_samples": [s.id for s in p.calib],
-        "warmup_samples": [s.id for s in p.warm] or None,
         "target_reuse": opts.target_reuse,
         "auto_tau": p.chosen_tau,
-        "agents": [r.name for r, _ in flow.agents()],
         "prefix_caching": False,
-        "decoding": "greedy",
         "engine": "in-process (one request at a time)",
         "peak_memory": "per run: peak counters reset after the model is loaded and the method calibrated"
         + ("" if p.rss_reset or p.engine.device.type == "cuda" else " (RSS high-water mark not resettable here)"),

@@ -100,3 +100,28 @@ def sample_record(workload: Workload, sample, final_text: str, reqs: list[Reques
         "final_output": final_text,
         "meta": sample.meta,
     }
+
+
+def config_keys(opts, method, flow, samples: list, calib: list, warm: list) -> dict:
+    """What a run's ``config.json`` says of its method, workload, budgets, workflow and samples, on
+    either engine (each adds its model, device and engine keys)."""
+    return {
+        "method": opts.method,
+        "method_config": method.config(),
+        "workload": opts.workload,
+        "dtype": opts.dtype,
+        "seed": opts.seed,
+        "limit": opts.limit,
+        "subjects": opts.subjects,
+        "data_path": opts.data_path,
+        "max_new_tokens": flow.max_new,
+        "final_max_new_tokens": flow.final_max_new,
+        "topology": opts.topology,
+        "n_agents": flow.n_agents,
+        "rounds": opts.rounds,
+        "sample_ids": [s.id for s in samples],
+        "calibration_samples": [s.id for s in calib],
+        "warmup_samples": [s.id for s in warm] or None,
+        "agents": [r.name for r, _ in flow.agents()],
+        "decoding": "greedy",
+    }

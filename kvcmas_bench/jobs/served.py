@@ -32,7 +32,7 @@ from ..results.summary import summarize
 from ..settings import EvalSettings
 from ..workflow import Workflow
 from ..workloads import Workload
-from .sampling import check_model, pick_samples, sample_record, throughput
+from .sampling import check_model, config_keys, pick_samples, sample_record, throughput
 
 #: what ``config.json`` says ran the samples (a resume key: a run continues on the engine it began on)
 ENGINE_LABEL = "vllm server (vllm serve + KVCMASConnector, samples batched by vLLM)"
@@ -182,32 +182,15 @@ def served_config(opts, engine, client, flow: Workflow, samples, calib, warm) ->
     method = client.method
     device = torch.device(engine_device(engine))
     return {
-        "method": opts.method,
-        "method_config": method.config(),
+        **config_keys(opts, method, flow, samples, calib, warm),
         "method_resolved": method.resolved(device, engine.kv_width),
-        "workload": opts.workload,
         "model": engine.model_name,
         "model_source": engine.model_source,
-        "dtype": opts.dtype,
         "device": str(device),
-        "seed": opts.seed,
-        "limit": opts.limit,
-        "subjects": opts.subjects,
-        "data_path": opts.data_path,
-        "max_new_tokens": flow.max_new,
-        "final_max_new_tokens": flow.final_max_new,
         "fidelity": False,
-        "topology": opts.topology,
-        "n_agents": flow.n_agents,
-        "rounds": opts.rounds,
-        "sample_ids": [s.id for s in samples],
-        "calibration_samples": [s.id for s in calib],
-        "warmup_samples": [s.id for s in warm] or None,
         "target_reuse": None,
         "auto_tau": None,
-        "agents": [r.name for r, _ in flow.agents()],
         "prefix_caching": bool(engine.opts.prefix_caching),
-        "decoding": "greedy",
         "engine": ENGINE_LABEL,
         "max_concurrency": opts.max_concurrency,
         "engine_options": {k: v for k, v in engine.describe().items() if k not in ("worker_reports", "calibrations")},

@@ -554,32 +554,31 @@ class VLLMServerEngine(ServedModel):
                     self._system_prompt(sess, tuple(segs[0]["ids"]))
 
     def _system_prompt(self, sess: ClientSession, ids: tuple[int, ...]) -> None:
-        """One system prompt captured on the worker, once per session (concurrent senders wait for
-        the first); the prompt of a request that opens ``[PF_sys, PH, ...]``."""
-        with sess.lock:
-            ev = sess.system_sent.get(ids)
-            mine = ev is None
-            if mine:
-                ev = sess.system_sent[ids] = threading.Event()
-        if mine:
-            self._request(ids, 1, capture_params(sess.id, "system"), salt=self._key())
-            ev.set()
-        else:
-            ev.wait()
+        """One system prompt captured on the worker, once per session; the prompt of a request that
+        opens ``[PF_sys, PH, ...]``."""
+        self._capture_once(sess, sess.system_sent, ids, "system")
 
     def _reference(self, sess: ClientSession, ids: tuple[int, ...]) -> None:
         """A context-free prefill of shared content, once per content per session (the worker keeps
-        it); concurrent agents needing the same one wait for the first request."""
+        it)."""
+        self._capture_once(sess, sess.sent_refs, ids, "reference")
+
+    def _capture_once(self, sess: ClientSession, sent: dict, ids: tuple[int, ...], what: str) -> None:
+        """A capture request of ``ids`` (:func:`~.worker.capture_params`), once per key of ``sent``:
+        concurrent senders of the same one wait for the first, which lets them go even when it fails
+        (their agents' plans then say what is missing)."""
         with sess.lock:
-            ev = sess.sent_refs.get(ids)
+            ev = sent.get(ids)
             mine = ev is None
             if mine:
-                ev = sess.sent_refs[ids] = threading.Event()
-        if mine:
-            self._request(ids, 1, capture_params(sess.id, "reference"), salt=self._key())
-            ev.set()
-        else:
+                ev = sent[ids] = threading.Event()
+        if not mine:
             ev.wait()
+            return
+        try:
+            self._request(ids, 1, capture_params(sess.id, what), salt=self._key())
+        finally:
+            ev.set()
 
     def _trajectory(
         self,
