@@ -41,9 +41,9 @@ from ..results.request import SegmentRecord
 from ..settings import EvalSettings, cli, comma_items, comma_list, derive
 from ..workloads import get_workload
 from .run import RunOptions, select_samples
-from .served import one_server
+from .served import check_served, one_server
 from .suite import STRICT_KEYS as SUITE_STRICT_KEYS
-from .suite import check_cell_engine, is_done, resume_manifest, run_cell
+from .suite import is_done, resume_manifest, run_cell
 
 KINDS = ("rank", "anchors", "tau", "agents", "rounds")
 DEFAULT_VALUES = {
@@ -288,7 +288,8 @@ def _check_point(opts: AblateOptions, p: Point, workload) -> None:
         spec = resolve_method(p.method, _point_args(opts, p), workload)
     except BenchError as exc:
         raise BenchError(f"ablate {opts.kind} point {p.cell}: {exc}") from None
-    check_cell_engine(opts, workload, {p.method: spec})
+    if opts.engine == "vllm":
+        check_served(opts, workload, {p.method: spec})
     _run_options(opts, p, Path(opts.output_path)).validate()
 
 

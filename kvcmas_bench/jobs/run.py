@@ -12,15 +12,24 @@ from ..memory import reset_peaks
 from ..methods import MethodSpec, resolve_method
 from ..results.outdir import lock_output_dir
 from ..results.provenance import provenance
-from ..results.records import RunDir, check_run_dir, write_json
+from ..results.records import RunDir, check_run_dir
 from ..results.request import RequestRecord
 from ..results.state import MethodStateStore
-from ..results.summary import summarize
 from ..segments import UIDS
 from ..settings import EvalSettings, check_positive, cli, comma_list
 from ..workflow import TOPOLOGIES, Workflow, request_records
 from ..workloads import Workload, get_workload
-from .sampling import check_model, config_keys, pick_samples, sample_record, select_samples, throughput
+from .sampling import (
+    begin,
+    check_model,
+    config_keys,
+    finish,
+    note,
+    pick_samples,
+    sample_record,
+    select_samples,
+    throughput,
+)
 
 __all__ = ["RunOptions", "check_sandbox", "resolve_options", "run", "select_samples"]
 
@@ -124,11 +133,9 @@ def resolve_options(opts: RunOptions) -> tuple[Workload, MethodSpec]:
         )
     spec = resolve_method(opts.method, opts.method_args, workload)
     if opts.engine == "vllm":
-        from ..serving.engines import check_engine
         from .served import check_served
 
-        check_engine("vllm", [spec.cls])
-        check_served(opts, workload)
+        check_served(opts, workload, {opts.method: spec})
     if opts.target_reuse is not None and "tau" not in spec.cls.knobs():
         raise BenchError(f"--target-reuse applies to methods with a gate threshold, not {opts.method!r}")
     resolve_device(opts.device)
@@ -204,15 +211,7 @@ def _run(opts: RunOptions, progress=None) -> dict:
     if p.warm and not out.samples:  # a resumed run restored the state its warm-up built
         warm_up(p, opts, progress)
     todo = [s for s in p.samples if s.id not in out.done_ids]
-    if opts.limit is None and progress is not None and hasattr(progress, "note"):
-        progress.note(
-            f"--limit not set: all {len(p.samples)} samples of {opts.workload}, {len(todo)} left to run "
-            "(the bar estimates the time after the first); pass --limit N for a seeded subset"
-        )
-    if progress is not None:
-        progress.start(total=len(p.samples), done=len(p.samples) - len(todo))
-        if hasattr(progress, "resumed"):  # the finished samples count in the accuracy shown
-            progress.resumed(out.samples)
+    begin(progress, opts, p.samples, todo, out)
     t0 = time.perf_counter()
     for sample in todo:
         prompts: list | None = [] if opts.log_prompts else None
@@ -226,21 +225,14 @@ def _run(opts: RunOptions, progress=None) -> dict:
         if progress is not None:
             progress.advance(sample_rec)
     wall = time.perf_counter() - t0
-    wanted = {s.id for s in p.samples}
-    summary = summarize(
-        [s for s in out.samples if s["sample_id"] in wanted],
-        [r for r in out.requests if r.sample_id in wanted],
-        {
-            "method": opts.method,
-            "workload": opts.workload,
-            "model": p.lm.name,
-            "device": str(p.engine.device),
-            **({"method_state": p.method.state_layout()} if hasattr(p.method, "state_layout") else {}),
-        },
-    )
-    summary["engine"] = {"name": "in-process", "max_concurrency": 1, **throughput(len(todo), wall)}
-    write_json(out.summary_path, summary)
-    return summary
+    meta = {
+        "method": opts.method,
+        "workload": opts.workload,
+        "model": p.lm.name,
+        "device": str(p.engine.device),
+        **({"method_state": p.method.state_layout()} if hasattr(p.method, "state_layout") else {}),
+    }
+    return finish(out, p.samples, meta, {"name": "in-process", "max_concurrency": 1, **throughput(len(todo), wall)})
 
 
 def warm_up(p: Prepared, opts: RunOptions, progress=None) -> None:
@@ -248,8 +240,7 @@ def warm_up(p: Prepared, opts: RunOptions, progress=None) -> None:
     (anchor pools) is filled before the first measured sample, then restart the peak counters."""
     flow = p.flow(p.method, opts)
     for i, sample in enumerate(p.warm, 1):
-        if progress is not None and hasattr(progress, "note"):
-            progress.note(f"warm-up sample {i}/{len(p.warm)}")
+        note(progress, f"warm-up sample {i}/{len(p.warm)}")
         flow.run_sample(sample)
     p.rss_reset = reset_peaks(p.engine.device)
 

@@ -9,7 +9,9 @@ import random
 
 from ..errors import BenchError
 from ..methods import MethodSpec
+from ..results.records import RunDir, write_json
 from ..results.request import RequestRecord
+from ..results.summary import summarize
 from ..workflow import plan
 from ..workloads import Workload
 
@@ -125,3 +127,36 @@ def config_keys(opts, method, flow, samples: list, calib: list, warm: list) -> d
         "agents": [r.name for r, _ in flow.agents()],
         "decoding": "greedy",
     }
+
+
+def note(progress, message: str) -> None:
+    """One line about the run above its progress bar (when the display takes notes)."""
+    if progress is not None and hasattr(progress, "note"):
+        progress.note(message)
+
+
+def begin(progress, opts, samples: list, todo: list, out: RunDir) -> None:
+    """Start the progress display over ``samples`` with the finished ones counted (their accuracy
+    too), saying first when ``--limit`` is unset and the whole dataset will run."""
+    if opts.limit is None:
+        note(
+            progress,
+            f"--limit not set: all {len(samples)} samples of {opts.workload}, {len(todo)} left to run "
+            "(the bar estimates the time after the first); pass --limit N for a seeded subset",
+        )
+    if progress is not None:
+        progress.start(total=len(samples), done=len(samples) - len(todo))
+        if hasattr(progress, "resumed"):  # the finished samples count in the accuracy shown
+            progress.resumed(out.samples)
+
+
+def finish(out: RunDir, samples: list, meta: dict, engine: dict) -> dict:
+    """The run's summary over its own samples (a directory may hold others from a larger
+    ``--limit``), with ``engine`` (name, concurrency, :func:`throughput`), written and returned."""
+    wanted = {s.id for s in samples}
+    summary = summarize(
+        [s for s in out.samples if s["sample_id"] in wanted], [r for r in out.requests if r.sample_id in wanted], meta
+    )
+    summary["engine"] = engine
+    write_json(out.summary_path, summary)
+    return summary

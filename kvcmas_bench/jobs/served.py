@@ -27,23 +27,24 @@ import torch
 from ..errors import BenchError
 from ..methods import MethodSpec
 from ..results.provenance import provenance
-from ..results.records import RunDir, write_json
-from ..results.summary import summarize
+from ..results.records import RunDir
 from ..settings import EvalSettings
 from ..workflow import Workflow
 from ..workloads import Workload
-from .sampling import check_model, config_keys, pick_samples, sample_record, throughput
+from .sampling import begin, check_model, config_keys, finish, note, pick_samples, sample_record, throughput
 
 #: what ``config.json`` says ran the samples (a resume key: a run continues on the engine it began on)
 ENGINE_LABEL = "vllm server (vllm serve + KVCMASConnector, samples batched by vLLM)"
 
 
-def check_served(opts: EvalSettings, workload: Workload) -> None:
-    """What ``--engine vllm`` cannot do, refused with one line before anything starts (the methods:
-    :func:`~kvcmas_bench.serving.engines.check_engine`, where they are resolved)."""
+def check_served(opts: EvalSettings, workload: Workload, specs: dict[str, MethodSpec]) -> None:
+    """What ``--engine vllm`` cannot do with ``workload`` and the methods of ``specs``, refused with
+    one line before anything starts (``run``, every cell of ``suite`` and ``ablate``)."""
+    from ..serving.engines import check_engine
     from ..serving.vllm import INSTALL_HINT, available
     from ..serving.vllm.http import ServerOptions
 
+    check_engine("vllm", specs)
     if workload.modality != "text":
         raise BenchError(
             f"--engine vllm runs text workloads; {opts.workload} sends images or video, which the connector's "
@@ -104,18 +105,15 @@ def run_served(opts, workload: Workload, spec: MethodSpec, progress=None) -> dic
         if calib:
             client.calibrate(calib)
         if warm:
-            _note(progress, f"warm-up: {len(warm)} held-out samples through the method first")
+            note(progress, f"warm-up: {len(warm)} held-out samples through the method first")
             client.warm_up(warm)
         todo = [s for s in samples if s.id not in out.done_ids]
         if out.samples and client.method.learns_online:
-            _note(progress, f"resumed: {len(out.samples)} samples saved; the method's server state starts afresh")
-        if progress is not None:
-            progress.start(total=len(samples), done=len(samples) - len(todo))
-            if hasattr(progress, "resumed"):
-                progress.resumed(out.samples)
+            note(progress, f"resumed: {len(out.samples)} samples saved; the method's server state starts afresh")
+        begin(progress, opts, samples, todo, out)
         t0, n_run = time.perf_counter(), 0
         for served in client.run(todo, opts.max_concurrency):
-            sample_rec, reqs, prompts = served_records(flow, served, engine.tokenizer, engine.config.num_hidden_layers)
+            sample_rec, reqs, prompts = served_records(flow, served, engine.tokenizer)
             out.append(sample_rec, reqs)  # the commit point
             if opts.log_prompts:
                 out.log_prompts(prompts)
@@ -126,15 +124,15 @@ def run_served(opts, workload: Workload, spec: MethodSpec, progress=None) -> dic
         client.end()
     finally:
         engine.close()
-    wanted = {s.id for s in samples}
-    summary = summarize(
-        [s for s in out.samples if s["sample_id"] in wanted],
-        [r for r in out.requests if r.sample_id in wanted],
-        {"method": opts.method, "workload": opts.workload, "model": engine.model_name, "device": engine_device(engine)},
+    meta = {
+        "method": opts.method,
+        "workload": opts.workload,
+        "model": engine.model_name,
+        "device": engine_device(engine),
+    }
+    return finish(
+        out, samples, meta, {"name": "vllm", "max_concurrency": opts.max_concurrency, **throughput(n_run, wall)}
     )
-    summary["engine"] = {"name": "vllm", "max_concurrency": opts.max_concurrency, **throughput(n_run, wall)}
-    write_json(out.summary_path, summary)
-    return summary
 
 
 def sample_flow(opts, workload: Workload, tokenizer) -> Workflow:
@@ -156,16 +154,17 @@ def engine_device(engine) -> str:
     return "cpu" if engine.cpu else "cuda"
 
 
-def served_records(flow: Workflow, served, tokenizer, layers: int) -> tuple[dict, list, list[dict]]:
+def served_records(flow: Workflow, served, tokenizer) -> tuple[dict, list, list[dict]]:
     """The sample record, request records and rendered prompts of one served sample: the worker's
-    records with the sample's keys, each agent's role and decoded output (as the in-process ``run``)."""
+    records (their layer count the served model's) with the sample's keys, each agent's role and
+    decoded output (as the in-process ``run``)."""
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     sample = served.sample
     reqs, prompts = [], []
     for s, rec in zip(served.sent, served.records):
         node = flow.nodes[s.index]
         rec.sample_id, rec.trajectory, rec.qps = sample.id, None, None
-        rec.step, rec.node, rec.agent, rec.layers = s.index, node.id, node.role.name, layers
+        rec.step, rec.node, rec.agent = s.index, node.id, node.role.name
         rec.output = decode(s.output)
         reqs.append(rec)
         prompt = decode(s.prompt)
@@ -197,8 +196,3 @@ def served_config(opts, engine, client, flow: Workflow, samples, calib, warm) ->
         "peak_memory": "per request: the vLLM worker process's peak RSS (CPU) as the worker records it",
         **provenance(device),
     }
-
-
-def _note(progress, message: str) -> None:
-    if progress is not None and hasattr(progress, "note"):
-        progress.note(message)

@@ -50,7 +50,7 @@ from ..settings import EvalSettings, cli, comma_items, derive
 from ..workloads import get_workload
 from .run import RunOptions, check_sandbox, select_samples
 from .run import run as run_job
-from .served import one_server
+from .served import check_served, one_server
 
 #: settings a resumed suite directory must share (they change every result)
 STRICT_KEYS = (
@@ -133,16 +133,6 @@ def shard_cells(cells: list[Cell], shard: tuple[int, int] | None) -> list[Cell]:
     return mine
 
 
-def check_cell_engine(opts: EvalSettings, workload, specs) -> None:
-    """The cells' engine can run ``workload`` and every method of ``specs`` (one line otherwise)."""
-    if opts.engine == "vllm":
-        from ..serving.engines import check_engine
-        from .served import check_served
-
-        check_engine("vllm", specs)
-        check_served(opts, workload)
-
-
 def run_options(opts: SuiteOptions, cell: Cell) -> RunOptions:
     """The ``run`` options of one cell (method options filtered to the method's own knobs)."""
     knobs = METHODS[cell.method].knobs()
@@ -182,7 +172,8 @@ def plan_suite(opts: SuiteOptions) -> list[Cell]:
     for w in workloads:
         workload = get_workload(w)
         specs = resolve_methods(methods, opts.method_args, workload)
-        check_cell_engine(opts, workload, specs)
+        if opts.engine == "vllm":
+            check_served(opts, workload, specs)
         data = workload.load()
         n = len(select_samples(data, opts.limit, opts.seed))  # the same for every seed
         if n == 0:

@@ -385,11 +385,14 @@ class AgentSent:
     arrival_s: float
     streamed: Streamed
     prompt: list[int] = field(default_factory=list)
-    #: the agent's output length as the client cut it (its next agents' prompts hold that output)
-    output_tokens: int | None = None
-    #: the agent's position in its unit, and its output as the client cut it
+    #: the agent's position in its unit, and its output as the client cut it (its next agents'
+    #: prompts hold that output)
     index: int = 0
     output: list[int] = field(default_factory=list)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.output)
 
 
 #: vLLM's own TTFT histogram (frontend arrival to the first token's output processing)
@@ -632,7 +635,7 @@ class VLLMServerEngine(ServedModel):
             # agent's source hold (checked against its record in _records)
             toks = agent_output(got.tokens, req.max_new_tokens, self.eos_ids, self.ignore_eos)
             outputs[node.id] = toks
-            out.append(AgentSent(key, unit.id, node.id, arr, got, list(req.prompt_ids), len(toks), i, toks))
+            out.append(AgentSent(key, unit.id, node.id, arr, got, list(req.prompt_ids), i, toks))
 
     def _serve_point(self, sess: ClientSession, traces, arrivals, qps, calibrating: bool = False) -> list[AgentSent]:
         """Every trajectory (a :class:`Trace` or a :class:`Unit`) of one point: one after another
@@ -716,7 +719,7 @@ class VLLMServerEngine(ServedModel):
         if "error" in d and "segments" not in d:
             raise BenchError(f"the vLLM worker could not plan request {s.key}: {d['error']}")
         rec = RequestRecord.from_dict(d)
-        if s.output_tokens is not None and rec.output_tokens != s.output_tokens:
+        if rec.output_tokens != s.output_tokens:
             raise BenchError(
                 f"request {s.key}: the vLLM worker recorded {rec.output_tokens} output tokens, the client "
                 f"sent the next agents {s.output_tokens}"
