@@ -128,22 +128,44 @@ def test_failure_summaries_never_carry_what_the_completion_read_or_said(problem,
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
-def test_privileges_are_dropped_when_the_installation_is_public(tmp_path):
+def test_privileges_are_dropped_also_when_the_installation_is_private_to_root(tmp_path):
+    """As root the child becomes ``nobody``; an installation below a directory private to root (as
+    /root/.pyenv is) stays importable through a handle opened before the switch, and nothing else
+    below that private directory becomes reachable."""
     probe = (
         "import os, sys\nfrom kvcmas_bench.workloads.sandbox import _drop_privileges\n"
-        "dropped = _drop_privileges([sys.argv[1]])\nprint(dropped, os.getuid(), os.getgid(), len(os.getgroups()))\n"
+        "sys.path.append(sys.argv[1] + '/lib')\n"
+        "reached = _drop_privileges([sys.argv[1] + '/lib'])\n"
+        "import probe_mod\n"
+        "try:\n    open(sys.argv[1] + '/secret.txt').read(); secret = 'read'\n"
+        "except PermissionError:\n    secret = 'denied'\n"
+        "held = reached[0].startswith('/proc/')\n"
+        "print(os.getuid(), os.getgid(), len(os.getgroups()), probe_mod.VALUE, secret, held)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
-    def drop(root) -> list[str]:
+    def drop(root: Path) -> list[str]:
+        (root / "lib").mkdir()
+        (root / "lib" / "probe_mod.py").write_text("VALUE = 'imported'\n")
+        (root / "secret.txt").write_text("s")
+        os.chmod(root / "secret.txt", 0o600)
+        os.chmod(root / "lib", 0o755), os.chmod(root / "lib" / "probe_mod.py", 0o644)
         cmd = [sys.executable, "-c", probe, str(root)]
         return subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout.split()
 
-    private = tmp_path / "private"  # pytest's temporary directories are private to their user
-    private.mkdir()
-    assert drop(private) == ["False", "0", "0", drop(private)[3]]
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    assert drop(private) == [str(NOBODY), str(NOBODY), "0", "imported", "denied", "True"]
     with tempfile.TemporaryDirectory() as public:
         os.chmod(public, 0o755)
         if not all(os.stat(p).st_mode & stat.S_IXOTH for p in Path(public).parents):
             pytest.skip("the temporary directory is not searchable by others")
-        assert drop(public) == ["True", str(NOBODY), str(NOBODY), "0"]
+        os.chmod(public, 0o711)
+        assert drop(Path(public)) == [str(NOBODY), str(NOBODY), "0", "imported", "denied", "False"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+def test_the_completion_runs_as_nobody_when_the_harness_is_root(problem):
+    """The candidate's uid, seen from inside: the check passes only where it is not 0."""
+    code = f"import os\n\n\ndef total(xs):\n    return sum(xs) if os.getuid() == {NOBODY} else -1\n"
+    assert score(problem, code) == ("passed", True)

@@ -27,7 +27,8 @@ and HumanEval's own data); it cannot make a wrong or missing answer count as a p
 Confinement of both children, applied by the child itself after reading its input and before any
 problem or generated code runs (a ``preexec_fn`` is not safe in the threaded harness): resource
 limits (address space, CPU time, file size, processes, open files, core dumps); when the harness
-runs as root and the Python installation is readable by others, a switch to user ``nobody``;
+runs as root, a switch to user ``nobody`` (an installation below a directory private to root, as
+``/root/.pyenv``, stays importable through handles the child opens on it before the switch);
 Landlock (Linux >= 5.13), which lets the child read only the Python installation and the system
 libraries, and write no file at all, so files of the invoking user (keys, tokens, data) stay out of
 reach also when it cannot switch users; the capabilities are dropped; a seccomp filter on Linux
@@ -494,8 +495,10 @@ def landlock_abi() -> int:
 
 def file_reads_confined() -> bool:
     """Whether the children are kept from reading the invoking user's files (Landlock, or a switch
-    from root to ``nobody``)."""
-    return landlock_abi() >= 1 or (os.geteuid() == 0 and _installation_public(_readable_roots()))
+    from root to ``nobody``, through ``/proc`` where the installation is private to root)."""
+    roots = _readable_roots()
+    held = _installation_public(roots) or os.path.isdir("/proc/self/fd")
+    return landlock_abi() >= 1 or (os.geteuid() == 0 and held)
 
 
 def _kill_group(pgid: int) -> None:
@@ -619,14 +622,50 @@ def _installation_public(roots: list[str]) -> bool:
     return True
 
 
-def _drop_privileges(roots: list[str]) -> bool:
-    """As root, become ``nobody`` (no supplementary groups) unless the installation is private to root."""
-    if os.geteuid() != 0 or not _installation_public(roots):
-        return False
+def _drop_privileges(roots: list[str]) -> list[str] | None:
+    """As root, become ``nobody`` (no supplementary groups); the roots as the child reaches them
+    afterwards, or None where it stays who it is (not root, or the installation unreachable)."""
+    if os.geteuid() != 0:
+        return None
+    reach = _reach_private_roots(roots)
+    if reach is None:
+        return None
     os.setgroups([])
     os.setgid(NOBODY)
     os.setuid(NOBODY)
-    return True
+    return [reach.get(root, root) for root in roots]
+
+
+def _reach_private_roots(roots: list[str]) -> dict[str, str] | None:
+    """Keep a Python installation that lies below a directory private to root (``/root/.pyenv``)
+    importable after the switch to ``nobody``: each such root is opened while still root, and the
+    import path reaches it through ``/proc/self/fd/<handle>``, which skips the search permission of
+    its parents only (the root and everything below it keep their own modes, and Landlock its rule).
+    Returns {root: its new path}; None where a private root cannot be held (no ``/proc``)."""
+    private = [root for root in roots if not _installation_public([root])]
+    if not private:
+        return {}
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    reach = {}
+    for root in private:
+        try:
+            fd = os.open(root, os.O_PATH)
+        except OSError:
+            return None
+        reach[root] = f"/proc/self/fd/{fd}"
+
+    def through(entry: str) -> str:
+        real = os.path.realpath(entry) if entry else entry
+        under = [root for root in reach if real == root or real.startswith(root + os.sep)]
+        if not under:
+            return entry
+        root = max(under, key=len)
+        return reach[root] + real[len(root) :]
+
+    sys.path[:] = [through(entry) for entry in sys.path]
+    sys.path_importer_cache.clear()
+    return reach
 
 
 def _landlock(roots: list[str]) -> bool:
@@ -692,8 +731,7 @@ def _confine(timeout: float, memory_bytes: int) -> None:
     _limit_resources(timeout, memory_bytes)
     _not_dumpable()
     roots = _readable_roots()
-    _drop_privileges(roots)
-    _landlock(roots)
+    _landlock(_drop_privileges(roots) or roots)
     if not _lock_down():
         for name in ("socket", "_socket"):
             sys.modules[name] = None  # type: ignore[assignment]
