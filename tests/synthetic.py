@@ -9,6 +9,9 @@ from pathlib import Path
 from kvcmas_bench.results.request import RequestRecord, SegmentRecord
 
 GOLD = ["A", "B", "C", "D", "A", "B"]
+#: the MMLU data of synthetic runs (readers check each record's gold against it): 16 questions, ids
+#: mmlu-0 .. mmlu-15, gold answers :data:`GOLD` at 0-5 and again at 10-15 (A, B, C, D at 6-9)
+DATA = str(Path(__file__).parent / "data" / "mmlu-synthetic.jsonl")
 
 
 def config(method: str, **over) -> dict:
@@ -22,7 +25,7 @@ def config(method: str, **over) -> dict:
         "seed": 0,
         "limit": len(GOLD),
         "subjects": None,
-        "data_path": None,
+        "data_path": DATA,
         "max_new_tokens": 4,
         "final_max_new_tokens": 2,
         "fidelity": False,

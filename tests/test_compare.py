@@ -202,7 +202,7 @@ def _seed(cand):
 
 def _samples(cand):
     for name in ("samples.jsonl", "requests.jsonl"):  # a coherent run over another sample
-        edit_jsonl(cand / "kv" / name, lambda r: {**r, "sample_id": "mmlu-99"} if r["sample_id"] == "mmlu-0" else r)
+        edit_jsonl(cand / "kv" / name, lambda r: {**r, "sample_id": "mmlu-10"} if r["sample_id"] == "mmlu-0" else r)
 
 
 def _corrupt(cand):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcmas_bench.errors import BenchError
 from kvcmas_bench.results.frames import load_dirs
 
 from .conftest import one_line, run_cli
@@ -42,6 +43,13 @@ def wrong_letter(s: dict) -> dict:
     return {**s, "prediction": wrong, "correct": True}
 
 
+def gold_and_prediction_forged(s: dict) -> dict:
+    """A wrong letter written as both the prediction and the gold answer: it re-scores as correct,
+    so only the workload's own data tells the forgery."""
+    wrong = next(x for x in "ABCD" if x != s["gold"])
+    return {**s, "prediction": wrong, "gold": wrong, "correct": True}
+
+
 def foreign_sample(d: Path) -> None:
     """A fifth finished sample (with its 4 request lines) that the run never selected."""
     s = json.loads(lines(d / "samples.jsonl")[0])
@@ -69,6 +77,8 @@ REFUSED = [
      "samples.jsonl"),
     ("prediction-wrong-correct-true", lambda d: edit_line(d / "samples.jsonl", 1, wrong_letter),
      "samples.jsonl"),
+    ("gold-and-prediction-forged", lambda d: edit_line(d / "samples.jsonl", 2, gold_and_prediction_forged),
+     "the mmlu data says"),
     ("request-without-step", lambda d: edit_line(d / "requests.jsonl", 3, drop_key("step")), "requests.jsonl"),
     ("request-duplicated", lambda d: (d / "requests.jsonl").write_bytes(
         b"".join(lines(d / "requests.jsonl")[:3] + lines(d / "requests.jsonl")[2:])), "requests.jsonl"),
@@ -245,3 +255,36 @@ def test_edited_sweep_rows_are_recomputed_from_the_served_requests(tmp_path, cap
     (edited,) = load_dirs([out]).sweeps
     assert edited.rows["ttft_p50_s"].tolist() == true_rows["ttft_p50_s"].tolist()
     assert len([d for d in edited.disagreements if "ttft_p50_s: summary" in d]) == len(summary["rows"]) == 4
+
+
+def test_gold_is_taken_from_the_data_where_it_can_be_read_here(tmp_path):
+    """Synthetic MMLU data of two questions: a record whose gold differs from the data's, or whose
+    sample the data lacks, is refused; with the data not readable here (a path that is gone, a hub
+    dataset) only the record's own consistency is checked."""
+    from kvcmas_bench.results.records import dataset_gold, read_run_files
+
+    data = tmp_path / "mmlu.jsonl"
+    row = {"question": "q", "answer_a": "a", "answer_b": "b", "answer_c": "c", "answer_d": "d", "topic": "t"}
+    data.write_text("".join(json.dumps({**row, "correct_answer": g}) + "\n" for g in "CA"))
+    cfg = {"workload": "mmlu", "data_path": str(data), "subjects": None}
+    assert dataset_gold(cfg) == {"mmlu-0": "C", "mmlu-1": "A"}
+    assert dataset_gold({**cfg, "data_path": str(tmp_path / "gone.jsonl")}) is None
+    assert dataset_gold({**cfg, "data_path": "hub:cais/mmlu"}) is None
+
+    def read(sid: str, gold: str, data_path=str(data)) -> None:
+        d = tmp_path / "run"
+        d.mkdir(exist_ok=True)
+        (d / "samples.jsonl").write_text(
+            json.dumps({"sample_id": sid, "gold": gold, "prediction": gold, "correct": True}) + "\n"
+        )
+        (d / "requests.jsonl").write_text(
+            json.dumps({"agent": "a", "ttft_s": 0.1, "e2e_s": 0.2, "sample_id": sid, "step": 0}) + "\n"
+        )
+        read_run_files(d / "samples.jsonl", d / "requests.jsonl", {**cfg, "data_path": data_path})
+
+    read("mmlu-0", "C")
+    with pytest.raises(BenchError, match=r"line 1 gives gold 'A' for sample 'mmlu-0', but the mmlu data says 'C'"):
+        read("mmlu-0", "A")
+    with pytest.raises(BenchError, match=r"line 1 is sample 'mmlu-2', which is not in the mmlu data"):
+        read("mmlu-2", "A")
+    read("mmlu-0", "A", data_path=str(tmp_path / "gone.jsonl"))  # not checkable here: consistent is enough

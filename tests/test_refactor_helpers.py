@@ -20,6 +20,8 @@ from kvcmas_bench.results.request import RequestRecord, SegmentRecord
 from kvcmas_bench.results.stats import percentile, percentile_rank
 from kvcmas_bench.results.summary import flat_frame, run_figures
 
+from .synthetic import DATA, GOLD
+
 
 # ---- percentiles -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 10, 51])
@@ -167,15 +169,16 @@ def test_ablation_gate_figures_read_through_the_run_readers(tmp_path):
         ("accepted", 4, None),
         (None, 2, None),
     ]
-    out = RunDir(tmp_path / "run", {"method": "kvcmas", "workload": "mmlu", "agents": ["a", "b"]})
+    out = RunDir(tmp_path / "run", {"method": "kvcmas", "workload": "mmlu", "agents": ["a", "b"], "data_path": DATA})
     for i in range(3):
+        sid = f"mmlu-{i}"
         recs = [
             RequestRecord(
-                agent, 0.1, 0.2, sample_id=f"s{i}", step=j, segments=[_segment(*g) for g in gates[j * 3 : j * 3 + 3]]
+                agent, 0.1, 0.2, sample_id=sid, step=j, segments=[_segment(*g) for g in gates[j * 3 : j * 3 + 3]]
             )
             for j, agent in enumerate(("a", "b"))
         ]
-        out.append({"sample_id": f"s{i}", "gold": "A", "prediction": "A", "correct": True}, recs)
+        out.append({"sample_id": sid, "gold": GOLD[i], "prediction": GOLD[i], "correct": True}, recs)
     out.close()
     run_dir = tmp_path / "run"
     assert _accept_share(run_dir) == _old_accept_share(run_dir) == (3 * 14) / (3 * 21)

@@ -14,6 +14,7 @@ only worded for input (:func:`corrupt_input`). A run directory is locked (:mod:`
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -118,6 +119,38 @@ def sample_judge(config: dict | None) -> Callable[[str | None, str | None], bool
     return WORKLOADS.lookup(str(name)).judge
 
 
+def dataset_gold(config: dict | None) -> dict[str, str] | None:
+    """Sample id -> gold answer in the data of the text workload the run ``config`` names (its
+    ``data_path`` and ``subjects``), read once per process and data version; None where the config
+    names none, names a vision workload or a hub dataset, or its data cannot be read here (a local
+    path absent on this machine): readers then check ``correct`` against the record's own gold."""
+    cfg = config or {}
+    name, data_path, subjects = cfg.get("workload"), cfg.get("data_path"), cfg.get("subjects")
+    if not isinstance(name, str) or not isinstance(data_path, str | None) or str(data_path).startswith("hub"):
+        return None
+    if subjects is not None and not (isinstance(subjects, list) and all(isinstance(x, str) for x in subjects)):
+        return None
+    try:
+        version = os.stat(data_path).st_mtime_ns if data_path else None
+    except OSError:
+        return None
+    return _gold_of(name, data_path, tuple(subjects) if subjects else None, version)
+
+
+@functools.lru_cache(maxsize=8)
+def _gold_of(name: str, data_path: str | None, subjects: tuple | None, _version: int | None) -> dict | None:
+    from ..workloads import WORKLOADS
+
+    cls = WORKLOADS.lookup(name)
+    if cls.modality != "text":
+        return None
+    try:
+        samples = cls(data_path=data_path, subjects=list(subjects) if subjects else None).load()
+    except (BenchError, OSError, ValueError, NotImplementedError):  # not readable here: not checked
+        return None
+    return {s.id: s.gold for s in samples}
+
+
 def read_run_files(samples_path: Path, requests_path: Path, config: dict | None = None, corrupt: Corrupt = _corrupt):
     """The finished samples and their request records of a run directory, checked line by line:
     the one rule set of every job that opens a run directory, writers (``run``'s resume) and
@@ -132,8 +165,10 @@ def read_run_files(samples_path: Path, requests_path: Path, config: dict | None 
     line that is not a valid ``RequestRecord`` or is written twice, a finished sample with missing
     request steps (how many each sample has, when the ``config`` says, see :func:`request_steps`;
     else steps 0..k-1 without gaps). What the run ``config`` (its ``config.json``) fixes is checked
-    too: every sample is one of its ``sample_ids`` (when recorded), and its ``correct`` is the
-    workload's scoring of its ``prediction`` against its ``gold`` (re-scored here, not trusted).
+    too: every sample is one of its ``sample_ids`` (when recorded), its ``gold`` is the one the
+    workload's data gives that sample (where the data can be read here, see :func:`dataset_gold`),
+    and its ``correct`` is the workload's scoring of its ``prediction`` against that ``gold``
+    (re-scored here, not trusted).
     Returns (sample rows, request rows, requests, whether a file must be rewritten without the
     dropped lines); rows are (line number, raw bytes, object).
     """
@@ -143,6 +178,7 @@ def read_run_files(samples_path: Path, requests_path: Path, config: dict | None 
     lines, torn_r = read_jsonl_objects(requests_path, corrupt)
     kept, records = _finished_requests(lines, done, requests_path, samples_path, corrupt)
     _check_steps(records, done, request_steps(config), samples_path, requests_path, corrupt)
+    _check_gold(samples, config, samples_path, corrupt)
     rewrite = torn_s or torn_r or len(kept) != len(lines)
     return samples, kept, records, rewrite
 
@@ -166,8 +202,9 @@ def _finished_samples(samples: list, samples_path: Path, corrupt: Corrupt) -> di
 
 
 def _check_samples(samples: list, config: dict | None, samples_path: Path, corrupt: Corrupt) -> None:
-    """Every sample line is one of the run's samples (``config["sample_ids"]``, when recorded) and
-    its ``correct`` is what the workload's rule says of its ``prediction`` and ``gold``."""
+    """Every sample line is one of the run's samples (``config["sample_ids"]``, when recorded), of
+    the workload's data with the gold answer the data gives it (where readable), and its ``correct``
+    is what the workload's rule says of its ``prediction`` and ``gold``."""
     ids = (config or {}).get("sample_ids")
     wanted = set(ids) if isinstance(ids, list) else None
     judge = sample_judge(config)
@@ -189,6 +226,25 @@ def _check_samples(samples: list, config: dict | None, samples_path: Path, corru
                 n,
                 f"says correct {str(s['correct']).lower()}, but prediction {pred!r} against gold {gold!r} "
                 f"scores {str(not s['correct']).lower()}",
+            )
+
+
+def _check_gold(samples: list, config: dict | None, samples_path: Path, corrupt: Corrupt) -> None:
+    """Every sample is one of the workload's data and carries the gold answer the data gives it
+    (where the data can be read here, :func:`dataset_gold`): a record whose prediction and gold
+    were both changed still re-scores as written, so the gold is taken from the data."""
+    data_gold = dataset_gold(config) if sample_judge(config) is not None else None
+    if data_gold is None:
+        return
+    for n, _, s in samples:
+        sid, gold = s["sample_id"], s.get("gold")
+        if sid not in data_gold:
+            raise corrupt(samples_path, n, f"is sample {sid!r}, which is not in the {config['workload']} data")
+        if data_gold[sid] != gold:
+            raise corrupt(
+                samples_path,
+                n,
+                f"gives gold {gold!r} for sample {sid!r}, but the {config['workload']} data says {data_gold[sid]!r}",
             )
 
 
