@@ -202,9 +202,8 @@ def _finished_samples(samples: list, samples_path: Path, corrupt: Corrupt) -> di
 
 
 def _check_samples(samples: list, config: dict | None, samples_path: Path, corrupt: Corrupt) -> None:
-    """Every sample line is one of the run's samples (``config["sample_ids"]``, when recorded), of
-    the workload's data with the gold answer the data gives it (where readable), and its ``correct``
-    is what the workload's rule says of its ``prediction`` and ``gold``."""
+    """Every sample line is one of the run's samples (``config["sample_ids"]``, when recorded) and
+    its ``correct`` is what the workload's rule says of its ``prediction`` and ``gold``."""
     ids = (config or {}).get("sample_ids")
     wanted = set(ids) if isinstance(ids, list) else None
     judge = sample_judge(config)
@@ -233,7 +232,7 @@ def _check_gold(samples: list, config: dict | None, samples_path: Path, corrupt:
     """Every sample is one of the workload's data and carries the gold answer the data gives it
     (where the data can be read here, :func:`dataset_gold`): a record whose prediction and gold
     were both changed still re-scores as written, so the gold is taken from the data."""
-    data_gold = dataset_gold(config) if sample_judge(config) is not None else None
+    data_gold = dataset_gold(config)
     if data_gold is None:
         return
     for n, _, s in samples:
