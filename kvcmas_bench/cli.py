@@ -37,6 +37,7 @@ from .options import (
     MODEL_PARAMS,
     Agents,
     CalibSamples,
+    CellProcess,
     Device,
     DryRun,
     Dtype,
@@ -373,6 +374,7 @@ def analyze_chain_cmd(
     calib_samples: CalibSamples = 4,
     warmup: Warmup = 0,
     plots: Plots = True,
+    cell_process: CellProcess = "auto",
     **shared,
 ) -> None:
     """Relative KV error of chained vs non-chained correction over the same samples, per layer and per
@@ -435,6 +437,7 @@ def ablate_cmd(
     log_prompts: LogPrompts = False,
     topology: Topology = "chain",
     plots: Plots = True,
+    cell_process: CellProcess = "auto",
     **shared,
 ) -> None:
     """The paper's ablations as resumable sweeps: rank (r_C, r_D), anchors (V), tau (both gates; rho,
@@ -459,6 +462,7 @@ def ablate_cmd(
 
 
 @app.command("suite")
+@on_interrupt("finished samples are saved; run the same command again to resume")
 @takes(MODEL_PARAMS, BUDGET_PARAMS, KNOB_PARAMS, ENGINE_PARAMS)
 def suite_cmd(
     methods: Methods = "all",
@@ -480,6 +484,7 @@ def suite_cmd(
         "shard directories into one suite.",
     ),
     unsafe_sandbox: UnsafeSandbox = False,
+    cell_process: CellProcess = "auto",
     **shared,
 ) -> None:
     """Run a matrix of methods x workloads (one resumable run directory per cell, the same samples for

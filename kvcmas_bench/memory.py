@@ -10,8 +10,8 @@ is the process-wide high-water mark since start-up (``reset_peaks`` returns Fals
 Limit on CPU: the high-water mark restarts at the *current* resident set, which also holds memory
 that earlier runs freed but the allocators kept (small blocks on the C heap; free heap pages are
 handed back with ``malloc_trim`` at each reset). So in one process a later cell's RSS peak can
-include some of an earlier cell's retained memory; the CUDA counters have no such limit, and cells
-run in separate processes compare exactly.
+include some of an earlier cell's retained memory; matrix jobs therefore run each cell in a fresh
+process on CPU (:mod:`~kvcmas_bench.jobs.cells`). The CUDA counters have no such limit.
 """
 
 from __future__ import annotations

@@ -173,6 +173,15 @@ OutputPath = Annotated[
     ),
 ]
 Plots = Annotated[bool, typer.Option("--plots/--no-plots", help="Draw the figures (PNG and SVG).")]
+CellProcess = Annotated[
+    str,
+    typer.Option(
+        "--cell-process",
+        help="Where each cell runs: fresh (a new Python process per cell, so no earlier cell can move its "
+        "peak memory; ~5 s of imports each), same (this process), auto (fresh on CPU with the in-process "
+        "engine, where the peak is the RSS high-water mark; same on CUDA, whose counters reset exactly).",
+    ),
+]
 ReportFormat = Annotated[str, typer.Option("--format", help="Report formats, comma-separated: md, html, csv, parquet.")]
 
 # --- method knobs

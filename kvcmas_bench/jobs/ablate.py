@@ -40,6 +40,7 @@ from ..results.records import corrupt_input, read_run_files, write_json
 from ..results.request import SegmentRecord
 from ..settings import EvalSettings, cli, comma_items, comma_list, derive
 from ..workloads import get_workload
+from .cells import check_cell_process, fresh_cells
 from .run import RunOptions, select_samples
 from .served import check_served, one_server
 from .suite import STRICT_KEYS as SUITE_STRICT_KEYS
@@ -89,6 +90,8 @@ class AblateOptions(EvalSettings):
     #: run NonShared too (the reference of agreement)
     reference: bool = True
     plots: bool = True
+    #: where each point runs (as ``suite --cell-process``, :mod:`~kvcmas_bench.jobs.cells`)
+    cell_process: str = "auto"
 
     def settings(self) -> dict:
         return json.loads(json.dumps({k: getattr(self, k) for k in (*STRICT_KEYS, "limit", "device")}))
@@ -220,6 +223,7 @@ def plan_points(opts: AblateOptions) -> list[Point]:
 
     if opts.kind not in (*KINDS, "chain"):
         raise BenchError(f"unknown ablation {opts.kind!r}; use one of {', '.join(KINDS)}")
+    check_cell_process(opts.cell_process, opts.engine)
     for flag, given, kinds in (
         ("--delta-ranks", opts.delta_ranks, ("rank",)),
         ("--gates", opts.gates, ("tau",)),
@@ -338,10 +342,12 @@ def _run_points(opts: AblateOptions, points: list[Point], out_dir: Path, progres
     res.skipped = [p.cell for p in points if is_done(manifest["cells"][p.cell], p.n)]
     if progress is not None:
         progress.begin(cells, set(res.skipped))
+    fresh = fresh_cells(opts.cell_process, opts.engine, opts.device)
     with one_server(opts, start=any(p.cell not in res.skipped for p in points)):
         for p, c in zip(points, cells):
             if p.cell not in res.skipped:
-                run_cell(p.cell, _run_options(opts, p, out_dir), manifest, out_dir, res.failed, progress, c)
+                ro = _run_options(opts, p, out_dir)
+                run_cell(p.cell, ro, manifest, out_dir, res.failed, progress, c, fresh=fresh)
     if len(res.failed) < len(points):
         res.table = ablation_table(out_dir, [p for p in points if p.cell not in res.failed] + earlier(manifest, points))
     return res

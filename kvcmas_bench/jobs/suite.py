@@ -48,6 +48,7 @@ from ..results.outdir import lock_output_dir
 from ..results.records import write_json
 from ..settings import EvalSettings, cli, comma_items, derive
 from ..workloads import get_workload
+from .cells import check_cell_process, fresh_cells, run_in_fresh_process
 from .run import RunOptions, check_sandbox, select_samples
 from .run import run as run_job
 from .served import check_served, one_server
@@ -80,6 +81,9 @@ class SuiteOptions(EvalSettings):
     repeats: int = 1
     #: ``(K, N)``: run only the K-th of N disjoint slices of the cells (``--shard K/N``)
     shard: tuple[int, int] | None = cli(None, parse=lambda flag, v: parse_shard(flag, v))
+    #: where each cell runs: ``fresh`` (a new process), ``same`` (this one), ``auto`` (fresh on CPU),
+    #: see :mod:`~kvcmas_bench.jobs.cells`
+    cell_process: str = "auto"
 
     def settings(self) -> dict:
         keys = (*STRICT_KEYS, "limit", "device", *(("repeats",) if self.repeats != 1 else ()))
@@ -155,6 +159,7 @@ def plan_suite(opts: SuiteOptions) -> list[Cell]:
 
     if isinstance(opts.repeats, bool) or not isinstance(opts.repeats, int) or opts.repeats < 1:
         raise BenchError(f"--repeats must be a whole number >= 1, got {opts.repeats!r}")
+    check_cell_process(opts.cell_process, opts.engine)
     methods = expand_methods(opts.methods)
     if opts.engine == "vllm" and "all" in opts.methods:  # all that the engine runs (named ones are checked)
         from ..serving.vllm.http import why_not_http
@@ -274,23 +279,29 @@ def _run_cells(opts: SuiteOptions, planned: list[Cell], out_dir: Path, progress)
     res = SuiteResult(out_dir, cells, skipped=[c.name for c in cells if is_done(manifest["cells"][c.name], c.n)])
     if progress is not None:
         progress.begin(cells, set(res.skipped))
+    fresh = fresh_cells(opts.cell_process, opts.engine, opts.device)
     with one_server(opts, start=any(c.name not in res.skipped for c in cells)):
         for cell in cells:
             if cell.name not in res.skipped:
-                run_cell(cell.name, run_options(opts, cell), manifest, out_dir, res.failed, progress, cell)
+                ro = run_options(opts, cell)
+                run_cell(cell.name, ro, manifest, out_dir, res.failed, progress, cell, fresh=fresh)
     if len(res.failed) < len(cells):
         res.report = build_report([out_dir], out_dir / "report", opts.report_formats, opts.plots)
     return res
 
 
-def run_cell(name: str, ro: RunOptions, manifest: dict, out_dir: Path, failed: dict, progress, cell) -> None:
-    """Run one matrix cell (suite or ablation) through ``run``; its state in the manifest goes
-    running -> done or failed and is saved before and after. ``cell`` is what ``progress`` shows."""
+def run_cell(
+    name: str, ro: RunOptions, manifest: dict, out_dir: Path, failed: dict, progress, cell, fresh: bool = False
+) -> None:
+    """Run one matrix cell (suite or ablation) through ``run``, in a fresh process when ``fresh``; its
+    state in the manifest goes running -> done or failed and is saved before and after. ``cell`` is
+    what ``progress`` shows."""
     state = manifest["cells"][name]
     state.update(status="running", error=None, run_options=json.loads(json.dumps(asdict(ro), default=str)))
     write_json(out_dir / "suite.json", manifest)
+    job = run_in_fresh_process if fresh else run_job
     try:
-        summary = run_job(ro, progress=progress.cell(cell) if progress is not None else None)
+        summary = job(ro, progress=progress.cell(cell) if progress is not None else None)
     except BenchError as exc:
         state.update(status="failed", error=str(exc))
         failed[name] = str(exc)
