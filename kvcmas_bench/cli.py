@@ -748,21 +748,9 @@ def _os_error(exc: OSError) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point with one-line errors and exit code 2."""
-    import logging
-    import os
-    import warnings
+    from .console import quiet_libraries
 
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover
-        pass
-    warnings.filterwarnings("ignore", module="transformers")
+    quiet_libraries()
     from .results import provenance
 
     provenance.COMMAND_LINE = ["kvcmas-bench", *(sys.argv[1:] if argv is None else argv)]

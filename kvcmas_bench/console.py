@@ -246,6 +246,26 @@ def print_sweep_table(summary: dict, console: Console) -> None:
         console.print(fitted_table(console, split_title, TTFT_SPLIT_COLUMNS, rows, TTFT_SPLIT_NOTE, "summary.json"))
 
 
+def quiet_libraries() -> None:
+    """Silence the libraries' own logging, progress bars and warnings (the CLI and every cell worker
+    report through this harness only)."""
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    warnings.filterwarnings("ignore", module="transformers")
+
+
 class SuiteProgress:
     """Rich progress over a whole suite: one bar for the matrix (samples of every cell, with the
     count of finished cells) and one per cell (samples, running accuracy)."""

@@ -177,6 +177,7 @@ CellProcess = Annotated[
     str,
     typer.Option(
         "--cell-process",
+        envvar="KVCMAS_BENCH_CELL_PROCESS",
         help="Where each cell runs: fresh (a new Python process per cell, so no earlier cell can move its "
         "peak memory; ~5 s of imports each), same (this process), auto (fresh on CPU with the in-process "
         "engine, where the peak is the RSS high-water mark; same on CUDA, whose counters reset exactly).",

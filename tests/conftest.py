@@ -68,10 +68,11 @@ LLAMA3_ROPE = {
 
 @pytest.fixture(autouse=True)
 def cells_in_this_process(monkeypatch):
-    """Suites and ablations here run their cells in the test process (``--cell-process auto`` would
-    start a fresh interpreter per cell on CPU: ~3 s each, and the methods and workloads a test
-    registers exist only here). ``--cell-process fresh`` is tested explicitly (test_cell_process.py)."""
+    """Suites and ablations here, and those the tests start as commands (reproduce's experiments), run
+    their cells in one process: ``--cell-process auto`` would start a fresh interpreter per cell on
+    CPU, ~5 s each. ``--cell-process fresh`` is tested explicitly (test_cell_process.py)."""
     monkeypatch.setattr("kvcmas_bench.jobs.cells.AUTO_FRESH_ON_CPU", False)
+    monkeypatch.setenv("KVCMAS_BENCH_CELL_PROCESS", "same")
 
 
 @pytest.fixture(scope="session")

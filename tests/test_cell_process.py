@@ -20,10 +20,29 @@ from kvcmas_bench.errors import BenchError
 from kvcmas_bench.jobs import cells
 from kvcmas_bench.jobs.suite import SuiteOptions, run_suite
 from kvcmas_bench.memory import peak_rss
+from kvcmas_bench.methods import METHODS, register
+from kvcmas_bench.methods.fullshared import FullShared
 
 from .conftest import run_cli
 
 MiB = 2**20
+
+
+class Plugin(FullShared):
+    """A method registered from outside the package (as a user's plugin is): it must reach the worker."""
+
+    name = "plugin-test"
+    label = "Plugin"
+    summary = "test only"
+
+
+@pytest.fixture
+def plugin():
+    register(Plugin)
+    yield
+    METHODS.pop(Plugin.name, None)
+
+
 TINY = ["--max-new-tokens", "2", "--final-max-new-tokens", "2", "--device", "cpu", "--no-plots"]
 
 
@@ -82,35 +101,64 @@ class _Recorder:
         self.ended[cell.name] = (status, detail)
 
 
-def _opts(model: str, out: Path, **kw) -> SuiteOptions:
+def _opts(model: str, out: Path, methods=("fullshared",), **kw) -> SuiteOptions:
     return SuiteOptions(
-        model=model, methods=["fullshared"], workloads=["mmlu"], limit=2, max_new_tokens=2,
+        model=model, methods=list(methods), workloads=["mmlu"], limit=2, max_new_tokens=2,
         final_max_new_tokens=2, device="cpu", plots=False, output_path=str(out), cell_process="fresh", **kw,
     )  # fmt: skip
 
 
-def test_a_fresh_cells_progress_summary_and_one_line_error_reach_the_suite(tiny_model_dir, tmp_path):
+def test_a_fresh_cells_progress_summary_and_one_line_error_reach_the_suite(
+    tiny_model_dir, tmp_path, plugin, monkeypatch
+):
     """The first cell's directory is damaged, so its worker refuses it with the reader's one line: that
-    cell fails, the next one runs, and its progress calls and summary reach the suite's display."""
+    cell fails, the next one (a plugin method) runs, and its progress calls and summary reach the
+    suite's display; no cell runs in the test process."""
+
+    def not_here(*a, **k):
+        raise AssertionError("a cell ran in the suite's own process")
+
+    monkeypatch.setattr("kvcmas_bench.jobs.suite.run_job", not_here)
+    monkeypatch.setattr("kvcmas_bench.jobs.run.run", not_here)
     bad = tmp_path / "s" / "mmlu" / "nonshared"
     bad.mkdir(parents=True)
     (bad / "samples.jsonl").write_text('{"sample_id": "x"}\nnot json\n')
     rec = _Recorder()
-    res = run_suite(_opts(tiny_model_dir, tmp_path / "s"), progress=rec)
-    assert rec.planned == ["mmlu/nonshared", "mmlu/fullshared"] and list(res.failed) == ["mmlu/nonshared"]
+    res = run_suite(_opts(tiny_model_dir, tmp_path / "s", methods=["plugin-test"]), progress=rec)
+    assert rec.planned == ["mmlu/nonshared", "mmlu/plugin-test"] and list(res.failed) == ["mmlu/nonshared"]
     assert "samples.jsonl" in res.failed["mmlu/nonshared"] and "\n" not in res.failed["mmlu/nonshared"]
     assert rec.ended["mmlu/nonshared"] == ("failed", res.failed["mmlu/nonshared"])
     assert (bad / "samples.jsonl").read_text() == '{"sample_id": "x"}\nnot json\n'
-    lines = [json.loads(x) for x in (tmp_path / "s" / "mmlu/fullshared" / "samples.jsonl").read_text().splitlines()]
-    calls = rec.calls["mmlu/fullshared"]
+    lines = [json.loads(x) for x in (tmp_path / "s" / "mmlu/plugin-test" / "samples.jsonl").read_text().splitlines()]
+    calls = rec.calls["mmlu/plugin-test"]
     assert [c for c in calls if c[0] == "start"] == [("start", 2, 0)]
     assert [c for c in calls if c[0] == "advance"] == [("advance", s["sample_id"], s["correct"]) for s in lines]
-    status, summary = rec.ended["mmlu/fullshared"]
-    assert status == "done" and summary["n"] == 2
+    status, summary = rec.ended["mmlu/plugin-test"]
+    assert status == "done" and summary["n"] == 2 and summary["method"] == "plugin-test"
     assert summary["accuracy"] == sum(s["correct"] for s in lines) / 2
     manifest = json.loads((tmp_path / "s" / "suite.json").read_text())
-    statuses = {k: c["status"] for k, c in manifest["cells"].items()}
-    assert statuses == {"mmlu/nonshared": "failed", "mmlu/fullshared": "done"}
+    states = {k: (c["status"], c["process"]) for k, c in manifest["cells"].items()}
+    assert states == {"mmlu/nonshared": ("failed", "fresh"), "mmlu/plugin-test": ("done", "fresh")}
+
+
+def test_which_classes_travel_to_a_worker(plugin):
+    """Built-in classes are the worker's own; a module-level plugin travels by reference; a class the
+    worker cannot import (local, or from __main__) keeps its cell in this process."""
+    from kvcmas_bench.jobs.run import RunOptions
+
+    assert cells.plugins(RunOptions(method="kvcmas", workload="gsm8k")) == {}
+    assert cells.plugins(RunOptions(method="plugin-test")) == {"method": ("plugin-test", Plugin)}
+
+    class Local(FullShared):
+        name = "local-test"
+
+    Main = type("Main", (FullShared,), {"name": "main-test", "__module__": "__main__"})
+    for cls in (Local, Main):
+        register(cls)
+        try:
+            assert cells.plugins(RunOptions(method=cls.name)) is None
+        finally:
+            METHODS.pop(cls.name)
 
 
 @pytest.mark.parametrize(
@@ -133,14 +181,25 @@ def test_a_workers_end_becomes_what_an_in_process_cell_gives(end, rc, raised, wo
         assert info.value.filename == "/x/y" and info.value.errno == 28
 
 
-def test_an_unknown_cell_process_or_fresh_on_a_server_is_one_line(tmp_path):
+def test_an_unknown_cell_process_or_fresh_on_a_server_is_one_line(tmp_path, capsys, monkeypatch):
     assert run_cli(["suite", "--cell-process", "forked", "-o", str(tmp_path / "a")]) == 2
-    with pytest.raises(BenchError, match="one of auto, fresh, same"):
-        cells.check_cell_process("forked", "in-process")
+    err = capsys.readouterr().err.strip()
+    assert err == "kvcmas-bench: error: --cell-process must be one of auto, fresh, same, got 'forked'"
     with pytest.raises(BenchError, match="applies to the in-process engine"):
         cells.check_cell_process("fresh", "vllm")
-    assert not cells.fresh_cells("auto", "vllm", "cpu") and cells.fresh_cells("fresh", "in-process", "cuda")
+    monkeypatch.setenv("KVCMAS_BENCH_CELL_PROCESS", "spawn")  # the option's environment variable
+    assert run_cli(["suite", "-o", str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err.strip().endswith("got 'spawn'")
     assert not (tmp_path / "a").exists()
+
+
+def test_auto_is_fresh_on_cpu_with_the_in_process_engine_only(monkeypatch):
+    monkeypatch.setattr(cells, "AUTO_FRESH_ON_CPU", True)  # the default outside this test suite
+    assert cells.fresh_cells("auto", "in-process", "cpu")
+    assert not cells.fresh_cells("auto", "vllm", "cpu")
+    assert cells.fresh_cells("fresh", "in-process", "cpu") and not cells.fresh_cells("same", "in-process", "cpu")
+    monkeypatch.setattr("kvcmas_bench.modeling.resolve_device", lambda d: torch.device("cuda"))
+    assert not cells.fresh_cells("auto", "in-process", "cuda") and cells.fresh_cells("fresh", "in-process", "cuda")
 
 
 def _children(pid: int) -> list[int]:
@@ -167,26 +226,28 @@ def _start_suite(model: str, out: Path) -> subprocess.Popen:
     )  # fmt: skip
 
 
-def _wait_for_worker(proc: subprocess.Popen, first: Path) -> int:
-    """The worker's pid once its cell has committed a sample."""
+def _wait_for_worker(proc: subprocess.Popen, first: Path | None = None) -> int:
+    """The worker's pid once it exists (and, given ``first``, once its cell has committed a sample)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         kids = _children(proc.pid)
-        if kids and first.exists() and first.read_text().count("\n") >= 1:
+        if kids and (first is None or first.exists() and first.read_text().count("\n") >= 1):
             return kids[0]
         assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    raise AssertionError("the worker committed no sample in 120 s")
+        time.sleep(0.02)
+    raise AssertionError("no worker (or no committed sample) in 120 s")
 
 
 def test_ctrl_c_on_a_suite_stops_its_worker_keeps_every_sample_and_resumes(tiny_model_dir, tmp_path):
     out = tmp_path / "s"
     proc = _start_suite(tiny_model_dir, out)
     worker = _wait_for_worker(proc, out / "mmlu" / "nonshared" / "samples.jsonl")
+    t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)  # a terminal's Ctrl-C reaches the suite; the worker has its own session
     _, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < cells.INTERRUPT_GRACE_S / 2  # the worker stopped on the SIGINT passed on
     assert proc.returncode == 130, stderr
-    assert "finished samples are saved" in stderr.decode() and "Traceback" not in stderr.decode()
+    assert "interrupted: finished samples are saved" in stderr.decode() and "Traceback" not in stderr.decode()
     assert not _alive(worker)
     kept = (out / "mmlu" / "nonshared" / "samples.jsonl").read_text().splitlines()
     assert 1 <= len(kept) < 6
@@ -197,10 +258,20 @@ def test_ctrl_c_on_a_suite_stops_its_worker_keeps_every_sample_and_resumes(tiny_
     assert len({json.loads(x)["sample_id"] for x in lines}) == 6
 
 
+def test_ctrl_c_while_the_worker_starts_is_quiet(tiny_model_dir, tmp_path):
+    proc = _start_suite(tiny_model_dir, tmp_path / "s")
+    worker = _wait_for_worker(proc)  # still importing torch
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr.decode(), stderr.decode()
+    assert "interrupted: finished samples are saved" in stderr.decode()
+    assert not _alive(worker)
+
+
 def test_a_killed_suite_leaves_no_worker_running(tiny_model_dir, tmp_path):
-    out = tmp_path / "s"
-    proc = _start_suite(tiny_model_dir, out)
-    worker = _wait_for_worker(proc, out / "mmlu" / "nonshared" / "samples.jsonl")
+    proc = _start_suite(tiny_model_dir, tmp_path / "s")
+    worker = _wait_for_worker(proc)
     proc.kill()
     proc.communicate(timeout=60)
     deadline = time.monotonic() + 30

@@ -104,8 +104,8 @@ def test_suite_resumes_after_an_interrupt_without_redoing_finished_cells(tiny_mo
     manifest = json.loads((out / "suite.json").read_text())
     assert {c["status"] for c in manifest["cells"].values()} == {"done"}
     assert "repeats" not in manifest["settings"]  # the default --repeats 1: the manifest of before
-    assert all(set(c) == {"workload", "method", "path", "status", "error", "run_options", "n", "accuracy"}
-               for c in manifest["cells"].values())  # fmt: skip
+    keys = {"workload", "method", "path", "status", "error", "run_options", "n", "accuracy", "process"}
+    assert all(set(c) == keys for c in manifest["cells"].values())
     assert (out / "report" / "report.md").exists() and (out / "report" / "report.html").exists()
 
     calls.update(one=0, prepare=0)

@@ -2,22 +2,26 @@
 
 On CPU a cell's peak memory is the process's resident-set high-water mark. Reset at the cell's
 start, it restarts at the *current* resident set, which in one long process also holds what earlier
-cells freed but the allocators kept, so the order of cells moves their peaks (by ~15 MiB measured
-on the default model). A fresh interpreter per cell (``--cell-process fresh``, the default on CPU
-with the in-process engine) starts every cell from the same empty process: no earlier cell can move
-its figure. The price is the imports of every cell (~5 s here; the model is loaded per cell either
-way). On CUDA the device's peak counters are exact in one process, and with ``--engine vllm`` the
-memory is the server's, so ``auto`` keeps those cells in this process.
+cells freed but the allocators kept, so earlier cells move a later cell's peak (measured on the
+default model, ``suite --methods fullshared,kvcmas --limit 2``: FullShared 80 MiB and KVCMAS 117
+MiB above their peaks in fresh processes). A fresh interpreter per cell (``--cell-process fresh``,
+the default on CPU with the in-process engine) starts every cell from the same empty process: no
+earlier cell can move its figure. The price is the imports of every cell (~5 s here; the model is
+loaded per cell either way). On CUDA the device's peak counters are exact in one process, and with
+``--engine vllm`` the memory is the server's, so ``auto`` keeps those cells in this process.
 
-The worker (``python -m kvcmas_bench.jobs.cells FD``) reads the cell's ``RunOptions`` pickled on
-stdin (method knob values keep how the user typed them), runs the ``run`` job, and writes one JSON
-object per line to file descriptor ``FD``: the progress calls of the run (``start``, ``advance``,
-``note``, ``resumed``), then its summary or its error. The parent forwards the progress to its
-display and turns the end into what an in-process cell gives: the summary, a :class:`BenchError`
-(the cell fails, the others run), an ``OSError`` (as in-process, it stops the job), or
-``KeyboardInterrupt``. The worker runs in its own session, so a terminal's Ctrl-C reaches the parent
-only, which passes one SIGINT on and waits for the worker to keep its finished samples; the worker
-dies with its parent (``PR_SET_PDEATHSIG``).
+The worker (``python -c`` with this process's ``sys.path``, so it imports the same code) reads the
+cell's ``RunOptions`` pickled on stdin (method knob values keep how the user typed them; a method or
+workload class registered from outside the package travels by reference and is registered there
+too; one that cannot, e.g. defined in ``__main__``, runs its cell in this process), runs the ``run``
+job, and writes one JSON object per line to a pipe: the progress calls of the run (``start``,
+``advance``, ``note``, ``resumed``), then its summary or its error. The parent forwards the progress
+to its display and turns the end into what an in-process cell gives: the summary, a
+:class:`BenchError` (the cell fails, the others run), an ``OSError`` (as in-process, it stops the
+job), or ``KeyboardInterrupt``. The worker runs in its own session, so a terminal's Ctrl-C reaches
+the parent only, which passes one SIGINT on and waits for the worker to keep its finished samples;
+on Linux the worker also ends when its parent dies (``PR_SET_PDEATHSIG``). Its stderr (library
+warnings, a bug's traceback) is the parent's.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 from ..errors import BenchError
 
@@ -40,6 +43,7 @@ CELL_PROCESSES = ("auto", "fresh", "same")
 AUTO_FRESH_ON_CPU = True
 #: how long the worker has after a forwarded Ctrl-C to keep its finished samples before it is killed
 INTERRUPT_GRACE_S = 30.0
+_BOOT = "import sys; sys.path[:] = {path!r}; from kvcmas_bench.jobs.cells import worker; sys.exit(worker({fd}, {ppid}))"
 
 
 def check_cell_process(mode: str, engine: str) -> None:
@@ -65,25 +69,48 @@ def fresh_cells(mode: str, engine: str, device: str) -> bool:
     return resolve_device(device).type == "cpu"
 
 
+def plugins(ro) -> dict | None:
+    """The method and workload classes of ``ro`` registered from outside the package, pickled by
+    reference for the worker ({} when none); None when one cannot travel (defined in ``__main__``
+    or in a function): its cell runs in this process."""
+    from ..methods import METHODS
+    from ..workloads import WORKLOADS
+
+    extra = {
+        kind: (name, cls)
+        for kind, reg, name in (("method", METHODS, ro.method), ("workload", WORKLOADS, ro.workload))
+        for cls in [reg.get(name)]
+        if cls is not None and not getattr(cls, "__module__", "").startswith("kvcmas_bench.")
+    }
+    try:
+        pickle.dumps(extra)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        return None
+    return None if any(getattr(cls, "__module__", None) == "__main__" for _, cls in extra.values()) else extra
+
+
 def run_in_fresh_process(ro, progress=None) -> dict:
-    """Run the ``run`` job with options ``ro`` in a new Python process; its summary, as ``run`` returns it."""
+    """Run the ``run`` job with options ``ro`` in a new Python process; its summary, as ``run`` returns
+    it. The caller checks :func:`plugins` first (a cell whose classes cannot travel runs in-process)."""
     from ..results import provenance
 
+    extra = plugins(ro)
+    if extra is None:
+        raise BenchError(f"{ro.method} on {ro.workload} cannot run in a fresh process (a class defined in __main__)")
     read_end, write_end = os.pipe()
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    boot = _BOOT.format(path=[str(p) for p in sys.path], fd=write_end, ppid=os.getpid())
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcmas_bench.jobs.cells", str(write_end)],
-        stdin=subprocess.PIPE,
-        pass_fds=(write_end,),
-        env=env,
-        start_new_session=True,
+        [sys.executable, "-c", boot], stdin=subprocess.PIPE, pass_fds=(write_end,), start_new_session=True
     )
     os.close(write_end)
-    job = {"options": ro, "command_line": provenance.COMMAND_LINE}
-    with contextlib.suppress(BrokenPipeError):
+    job = {"options": ro, "plugins": extra, "command_line": provenance.COMMAND_LINE}
+    try:
         proc.stdin.write(pickle.dumps(job))
-        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the worker is gone already: its exit status tells
+    finally:
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
     with os.fdopen(read_end, "rb") as messages:
         try:
             end = _relay(messages, progress)
@@ -143,7 +170,10 @@ def _outcome(end: dict, rc: int) -> dict:
     if "interrupted" in end:
         raise KeyboardInterrupt
     if rc < 0:
-        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
         why = " (out of memory?)" if -rc == signal.SIGKILL else ""
         raise BenchError(f"the cell's worker process was killed by {name}{why}; run the same command to resume")
     raise RuntimeError(f"the cell's worker process failed (exit {rc}): {end.get('bug', 'see its traceback above')}")
@@ -165,24 +195,22 @@ class _PipeProgress:
         self._send({"call": "note", "args": [message]})
 
     def resumed(self, samples: list[dict]) -> None:
-        self._send({"call": "resumed", "args": [samples]})
+        """The finished samples' count and correctness (all the display reads of them)."""
+        self._send({"call": "resumed", "args": [[{"correct": s.get("correct")} for s in samples]]})
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to end this worker when its parent dies (a killed suite leaves no cell running)."""
+def _die_with_parent(ppid: int) -> None:
+    """Ask Linux to end this worker when its parent dies (a killed suite leaves no cell running);
+    a parent that died before the request was made ends the worker now."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != ppid:
+        os._exit(1)
 
 
-def worker(fd: int) -> int:
-    """Run one cell from the options on stdin; report on ``fd``. Returns the exit status."""
-    import traceback
-    import warnings
-
-    _die_with_parent()
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    warnings.filterwarnings("ignore", module="transformers")
+def worker(fd: int, ppid: int) -> int:
+    """Run one cell from the job on stdin; report on ``fd``. Returns the exit status. Ctrl-C (the
+    parent's one SIGINT) at any point ends it quietly with what the run has kept."""
     out = os.fdopen(fd, "w", encoding="utf-8")
 
     def send(msg: dict) -> None:
@@ -190,26 +218,39 @@ def worker(fd: int) -> int:
             out.write(json.dumps(msg, default=str) + "\n")
             out.flush()
 
+    try:
+        _die_with_parent(ppid)
+        return _work(send)
+    except KeyboardInterrupt:
+        send({"interrupted": True})
+        return 130
+
+
+def _work(send) -> int:
+    import traceback
+
+    from ..console import quiet_libraries
     from ..results import provenance
     from .run import run
 
+    quiet_libraries()
     job = pickle.loads(sys.stdin.buffer.read())
+    for kind, (name, cls) in job["plugins"].items():
+        from ..methods import METHODS
+        from ..workloads import WORKLOADS
+
+        (METHODS if kind == "method" else WORKLOADS).setdefault(name, cls)
     provenance.COMMAND_LINE = job["command_line"]
     try:
         send({"summary": run(job["options"], progress=_PipeProgress(send))})
     except BenchError as exc:
         send({"error": str(exc)})
     except OSError as exc:
-        send({"os_error": [exc.errno, exc.strerror or str(exc), exc.filename]})
+        send({"os_error": [exc.errno, exc.strerror or " ".join(str(exc).split()), exc.filename]})
     except KeyboardInterrupt:
-        send({"interrupted": True})
-        return 130
+        raise
     except Exception as exc:  # a bug: its traceback on stderr, its one line to the parent
         traceback.print_exc()
         send({"bug": f"{type(exc).__name__}: {exc}"})
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(worker(int(sys.argv[1])))

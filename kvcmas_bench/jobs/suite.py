@@ -48,7 +48,7 @@ from ..results.outdir import lock_output_dir
 from ..results.records import write_json
 from ..settings import EvalSettings, cli, comma_items, derive
 from ..workloads import get_workload
-from .cells import check_cell_process, fresh_cells, run_in_fresh_process
+from .cells import check_cell_process, fresh_cells, plugins, run_in_fresh_process
 from .run import RunOptions, check_sandbox, select_samples
 from .run import run as run_job
 from .served import check_served, one_server
@@ -294,10 +294,12 @@ def run_cell(
     name: str, ro: RunOptions, manifest: dict, out_dir: Path, failed: dict, progress, cell, fresh: bool = False
 ) -> None:
     """Run one matrix cell (suite or ablation) through ``run``, in a fresh process when ``fresh``; its
-    state in the manifest goes running -> done or failed and is saved before and after. ``cell`` is
-    what ``progress`` shows."""
+    state in the manifest goes running -> done or failed and is saved before and after, with where it
+    ran (``process``: fresh or same). ``cell`` is what ``progress`` shows."""
+    fresh = fresh and plugins(ro) is not None  # a class defined in __main__ runs here
     state = manifest["cells"][name]
-    state.update(status="running", error=None, run_options=json.loads(json.dumps(asdict(ro), default=str)))
+    run_opts = json.loads(json.dumps(asdict(ro), default=str))
+    state.update(status="running", error=None, run_options=run_opts, process="fresh" if fresh else "same")
     write_json(out_dir / "suite.json", manifest)
     job = run_in_fresh_process if fresh else run_job
     try:
