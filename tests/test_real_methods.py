@@ -86,11 +86,11 @@ def test_real_kvcomm_and_graphflow_run_with_reference_prefill(tmp_path):
 @pytest.mark.slow
 def test_real_recompute_methods_error_between_fullshared_and_zero(tmp_path):
     """CacheBlend, DroidSpeak, RelayCaching: 0 < KV error < FullShared's, and lower at rho 0.8."""
-    full = _fid(tmp_path, "fullshared", limit=2)["fidelity"]["kv_rel_error"]
+    full = _fid(tmp_path, "fullshared", limit=1)["fidelity"]["kv_rel_error"]
     for method in ("cacheblend", "droidspeak", "relaycaching"):
         errs = {}
         for rho in ("0.9", "0.8"):
-            s = _fid(tmp_path / rho, method, ["--rho", rho], limit=2)
+            s = _fid(tmp_path / rho, method, ["--rho", rho], limit=1)
             errs[rho] = s["fidelity"]["kv_rel_error"]
             assert s["recomputed_token_layers"] > 0
         print(method, errs, "fullshared", full)
