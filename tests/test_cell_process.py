@@ -19,7 +19,6 @@ import torch
 from kvcmas_bench.errors import BenchError
 from kvcmas_bench.jobs import cells
 from kvcmas_bench.jobs.suite import SuiteOptions, run_suite
-from kvcmas_bench.memory import peak_rss
 from kvcmas_bench.methods import METHODS, register
 from kvcmas_bench.methods.fullshared import FullShared
 
@@ -67,9 +66,10 @@ def test_no_memory_the_harness_process_holds_reaches_a_fresh_cells_peak(tiny_mod
     same, fresh = _peaks(tmp_path / "same", cells_), _peaks(tmp_path / "fresh", cells_)
     assert held.sum().item() == 128 * MiB
     for m in cells_:
-        assert same[m] >= rss, (same, rss)  # the old way: the held memory is in the figure
+        # the old way, the held memory is in the figure (the process's RSS can fall a little below
+        # ``rss`` at the cell's reset, which hands free heap pages back); a fresh cell never sees it
+        assert same[m] - fresh[m] > 256 * MiB, (same, fresh)
         assert fresh[m] < rss - 256 * MiB, (fresh, rss)
-    assert peak_rss() >= rss
 
 
 class _Recorder:
