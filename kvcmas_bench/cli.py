@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .console import fmt, print_run_summary
-from .errors import BenchError
+from .errors import BenchError, os_error_reason
 from .options import (
     BUDGET_PARAMS,
     ENGINE_PARAMS,
@@ -742,7 +742,7 @@ def _fail(msg: str) -> None:
 
 def _os_error(exc: OSError) -> str:
     """``cannot write /x/y: No space left on device``: an OSError as one line."""
-    reason = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
+    reason = os_error_reason(exc)
     return f"{reason}: {exc.filename}" if exc.filename else reason
 
 

@@ -7,6 +7,11 @@ class BenchError(Exception):
     """Bad input or missing resource, reported to the user without a traceback."""
 
 
+def os_error_reason(exc: OSError) -> str:
+    """What went wrong in an OSError, on one line (``No space left on device``), without the path."""
+    return exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
+
+
 class OptionError(BenchError, ValueError):
     """An invalid method option (knob) value; raised by a method's own validation. ``knob``: the
     field it is about (None: the message names what it is about itself); ``text``: the message

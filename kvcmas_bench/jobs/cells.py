@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 
-from ..errors import BenchError
+from ..errors import BenchError, os_error_reason
 
 CELL_PROCESSES = ("auto", "fresh", "same")
 #: ``auto`` runs cells in fresh processes on CPU; tests that run many tiny in-process suites turn it off
@@ -58,8 +58,8 @@ def check_cell_process(mode: str, engine: str) -> None:
 
 
 def fresh_cells(mode: str, engine: str, device: str) -> bool:
-    """Whether each cell runs in a fresh process (``auto``: on CPU with the in-process engine)."""
-    check_cell_process(mode, engine)
+    """Whether each cell runs in a fresh process (``auto``: on CPU with the in-process engine); ``mode``
+    was checked when the job was planned (:func:`check_cell_process`)."""
     if mode != "auto":
         return mode == "fresh"
     if engine != "in-process" or not AUTO_FRESH_ON_CPU:
@@ -89,14 +89,11 @@ def plugins(ro) -> dict | None:
     return None if any(getattr(cls, "__module__", None) == "__main__" for _, cls in extra.values()) else extra
 
 
-def run_in_fresh_process(ro, progress=None) -> dict:
+def run_in_fresh_process(ro, extra: dict, progress=None) -> dict:
     """Run the ``run`` job with options ``ro`` in a new Python process; its summary, as ``run`` returns
-    it. The caller checks :func:`plugins` first (a cell whose classes cannot travel runs in-process)."""
+    it. ``extra``: the classes the worker registers, :func:`plugins` of ``ro`` (not None)."""
     from ..results import provenance
 
-    extra = plugins(ro)
-    if extra is None:
-        raise BenchError(f"{ro.method} on {ro.workload} cannot run in a fresh process (a class defined in __main__)")
     read_end, write_end = os.pipe()
     boot = _BOOT.format(path=[str(p) for p in sys.path], fd=write_end, ppid=os.getpid())
     proc = subprocess.Popen(
@@ -230,15 +227,14 @@ def _work(send) -> int:
     import traceback
 
     from ..console import quiet_libraries
+    from ..methods import METHODS
     from ..results import provenance
+    from ..workloads import WORKLOADS
     from .run import run
 
     quiet_libraries()
     job = pickle.loads(sys.stdin.buffer.read())
     for kind, (name, cls) in job["plugins"].items():
-        from ..methods import METHODS
-        from ..workloads import WORKLOADS
-
         (METHODS if kind == "method" else WORKLOADS).setdefault(name, cls)
     provenance.COMMAND_LINE = job["command_line"]
     try:
@@ -246,9 +242,7 @@ def _work(send) -> int:
     except BenchError as exc:
         send({"error": str(exc)})
     except OSError as exc:
-        send({"os_error": [exc.errno, exc.strerror or " ".join(str(exc).split()), exc.filename]})
-    except KeyboardInterrupt:
-        raise
+        send({"os_error": [exc.errno, os_error_reason(exc), exc.filename]})
     except Exception as exc:  # a bug: its traceback on stderr, its one line to the parent
         traceback.print_exc()
         send({"bug": f"{type(exc).__name__}: {exc}"})

@@ -296,14 +296,14 @@ def run_cell(
     """Run one matrix cell (suite or ablation) through ``run``, in a fresh process when ``fresh``; its
     state in the manifest goes running -> done or failed and is saved before and after, with where it
     ran (``process``: fresh or same). ``cell`` is what ``progress`` shows."""
-    fresh = fresh and plugins(ro) is not None  # a class defined in __main__ runs here
+    extra = plugins(ro) if fresh else None  # None: this process (also for a class defined in __main__)
     state = manifest["cells"][name]
     run_opts = json.loads(json.dumps(asdict(ro), default=str))
-    state.update(status="running", error=None, run_options=run_opts, process="fresh" if fresh else "same")
+    state.update(status="running", error=None, run_options=run_opts, process="same" if extra is None else "fresh")
     write_json(out_dir / "suite.json", manifest)
-    job = run_in_fresh_process if fresh else run_job
+    shown = progress.cell(cell) if progress is not None else None
     try:
-        summary = job(ro, progress=progress.cell(cell) if progress is not None else None)
+        summary = run_job(ro, progress=shown) if extra is None else run_in_fresh_process(ro, extra, progress=shown)
     except BenchError as exc:
         state.update(status="failed", error=str(exc))
         failed[name] = str(exc)
